@@ -1,0 +1,143 @@
+"""Block top-k compression with error feedback, as an explicit-state compressor.
+
+Optax style: the compressor holds only static configuration; its state (one residual per
+variable) is a value passed in and returned, so any owner can keep it where it likes (the
+Keras adapter keeps it in per-replica variables).  Per variable, per replica::
+
+    acc      = grad + residual                  # error feedback
+    ids      = top-k blocks of acc by L1/L2 score
+    payload  = (ids, acc[blocks ids])           # sent
+    residual = acc with blocks ids set to zero  # kept: acc == scatter(payload) + residual
+
+Conservation is exact: the residual keeps the bits of ``acc`` outside the selected blocks and
+the payload carries the bits inside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from tf_blocksparse import selection
+from tf_blocksparse.blocks import BlockLayout
+
+
+def validate_k_density(k: int | None, density: float | None) -> tuple[int | None, float | None]:
+    """Checks the selection-size arguments; returns ``(k, density)`` with k=1 as default.
+
+    Raises:
+      ValueError: Both given, ``k < 1`` or not an int, or ``density`` outside (0, 1].
+    """
+    if k is not None and density is not None:
+        raise ValueError(f"give exactly one of `k` and `density`, got k={k!r}, "
+                         f"density={density!r}")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"`k` must be an int >= 1, got {k!r}")
+        return k, None
+    if density is not None:
+        if isinstance(density, bool) or not isinstance(density, (int, float)) \
+                or not 0.0 < float(density) <= 1.0:
+            raise ValueError(f"`density` must be a float in (0, 1], got {density!r}")
+        return None, float(density)
+    return 1, None
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """What one replica sends: per variable, block ids [k_v] int32 and values [k_v, bs_v]."""
+
+    ids: tuple[tf.Tensor, ...]
+    values: tuple[tf.Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Accumulated gradients and their block scores, before selection.
+
+    Attributes:
+      accs: Per variable ``grad + residual`` [*shape].
+      scores: Per variable [num_blocks] float32 scores.
+      finite: Scalar bool, true when every score is finite (so every ``acc`` entry is).
+    """
+
+    accs: tuple[tf.Tensor, ...]
+    scores: tuple[tf.Tensor, ...]
+    finite: tf.Tensor
+
+
+class BlockTopK:
+    """Block-wise top-k sparsifier with error feedback over a fixed list of variables.
+
+    Args:
+      layouts: One :class:`BlockLayout` per variable.
+      k: Blocks kept per variable (clipped to its block count).
+      density: Alternatively, the fraction of blocks kept per variable.
+      metric: ``"l1"`` or ``"l2"``.
+    """
+
+    def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
+                 density: float | None = None, metric: str = "l1"):
+        if metric not in selection.METRICS:
+            raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
+        self.k, self.density = validate_k_density(k, density)
+        self.metric = metric
+        self.layouts = tuple(layouts)
+        self.counts = tuple(selection.num_selected(lay.num_blocks, self.k, self.density)
+                            for lay in self.layouts)
+
+    def init(self, dtypes: Sequence[tf.DType] | None = None) -> tuple[tf.Tensor, ...]:
+        """Zero residuals, one [*shape] tensor per variable."""
+        dtypes = dtypes or [tf.float32] * len(self.layouts)
+        return tuple(tf.zeros(lay.shape, dt) for lay, dt in zip(self.layouts, dtypes))
+
+    def prepare(self, grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor]) -> Prepared:
+        """Error feedback and scoring: ``acc = grad + residual`` and its block scores."""
+        self._check(grads, "grads")
+        self._check(state, "state")
+        accs = tuple(g + r for g, r in zip(grads, state))
+        scores = tuple(selection.block_scores(a, lay, self.metric)
+                       for a, lay in zip(accs, self.layouts))
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in scores])
+        return Prepared(accs, scores, finite)
+
+    def select(self, scores: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:
+        """Top-k block ids [k_v] per variable from (local or globally summed) scores."""
+        return tuple(selection.top_blocks(s, n) for s, n in zip(scores, self.counts))
+
+    def finish(self, prepared: Prepared, ids: Sequence[tf.Tensor]
+               ) -> tuple[Payload, tuple[tf.Tensor, ...]]:
+        """Gathers the selected blocks and zeroes them in the residual.
+
+        Returns:
+          ``(payload, new_state)``.
+        """
+        values, residuals = [], []
+        for acc, lay, i in zip(prepared.accs, self.layouts, ids):
+            v = selection.gather_blocks(acc, lay, i)
+            with tf.control_dependencies([v]):  # lets the scatter reuse acc's buffer
+                residuals.append(selection.zero_blocks(acc, lay, i))
+            values.append(v)
+        return Payload(tuple(ids), tuple(values)), tuple(residuals)
+
+    def compress(self, grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor]
+                 ) -> tuple[Payload, tuple[tf.Tensor, ...]]:
+        """Local selection: ``prepare``, ``select`` on local scores, ``finish``."""
+        prepared = self.prepare(grads, state)
+        return self.finish(prepared, self.select(prepared.scores))
+
+    def decompress(self, payload: Payload) -> tuple[tf.Tensor, ...]:
+        """Dense [*shape] tensors from a payload (repeated ids, e.g. gathered, add up)."""
+        return tuple(selection.scatter_blocks(v, i, lay)
+                     for v, i, lay in zip(payload.values, payload.ids, self.layouts))
+
+    def _check(self, tensors: Sequence[tf.Tensor], name: str) -> None:
+        if len(tensors) != len(self.layouts):
+            raise ValueError(f"`{name}` has {len(tensors)} tensors, the compressor was built "
+                             f"for {len(self.layouts)} variables")
+        for t, lay in zip(tensors, self.layouts):
+            if tuple(t.shape) != lay.shape:
+                raise ValueError(f"`{name}`: tensor for {lay.path!r} has shape "
+                                 f"{tuple(t.shape)}, expected {lay.shape}")

@@ -1,0 +1,1 @@
+"""Keras adapters: the optimizer wrapper and the metrics callback."""

@@ -1,0 +1,257 @@
+"""``BlockSparseOptimizer``: block top-k exchange with error feedback around any Keras optimizer.
+
+Per step, on every replica (``model.fit`` and ``strategy.run`` both call ``apply`` in replica
+context with the replica's own, un-aggregated gradients)::
+
+    acc = grad + residual; select blocks; exchange (allgather | shared | dense)
+    residual = acc with the selected blocks zeroed          # per-replica state
+    inner.apply(summed update)                               # identical on every replica
+
+The inner optimizer's own all-reduce is switched off (the wrapper's exchange replaces it),
+so with ``SGD(momentum=m)`` inside, this is the source text's *global momentum*.  Keras
+options of the inner optimizer (``clipnorm``, ``weight_decay``, EMA) therefore act on the
+exchanged update, not per replica.
+
+Non-finite gradients (``nonfinite="skip"``, the default): if any replica's accumulated
+gradient holds an inf or NaN, every replica skips the step: weights, inner optimizer state,
+``iterations`` and residuals stay exactly as they were; ``skipped_steps`` counts it.
+``nonfinite="apply"`` applies whatever arrives (for debugging).
+
+Mixed precision: wrap this optimizer in ``keras.optimizers.LossScaleOptimizer`` (outside);
+a ``LossScaleOptimizer`` *inside* is rejected because residuals would mix loss scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_blocksparse import blocks, selection
+from tf_blocksparse import exchange as exchange_lib
+from tf_blocksparse.feedback import BlockTopK, validate_k_density
+
+NONFINITE = ("skip", "apply")
+STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps")
+
+
+def _no_all_reduce(grads_and_vars: Any) -> list:
+    """Replaces the inner optimizer's all-reduce: the wrapper already exchanged."""
+    return list(grads_and_vars)
+
+
+def _densify(g: Any) -> tf.Tensor:
+    if isinstance(g, tf.IndexedSlices):
+        return tf.math.unsorted_segment_sum(g.values, g.indices, g.dense_shape[0])
+    return tf.convert_to_tensor(g)
+
+
+@keras.saving.register_keras_serializable(package="tf_blocksparse")
+class BlockSparseOptimizer(keras.optimizers.Optimizer):
+    """Wraps a Keras optimizer with block-wise top-k gradient exchange and error feedback.
+
+    Args:
+      inner: The Keras optimizer that applies the exchanged update (e.g. ``SGD(0.1,
+        momentum=0.9)``).  It becomes owned by the wrapper (its all-reduce is disabled).
+      k: Blocks kept per variable per step (int >= 1).  Default 1 when ``density`` is unset.
+      density: Alternatively, fraction in (0, 1]: ``ceil(density * num_blocks)`` blocks.
+      metric: Block score, ``"l1"`` or ``"l2"``.
+      exchange: ``"allgather"``, ``"shared"`` or ``"dense"`` (see
+        :mod:`tf_blocksparse.exchange`).
+      nonfinite: ``"skip"`` (default) or ``"apply"``.
+      block_rules: Optional ``{path regex: rule name}`` overriding the block-rule table.
+      model: Optional Keras model, to look variables up by their exact layer class (needed
+        only for renamed layers whose class the default name does not reveal).
+      name: Optimizer name.
+    """
+
+    def __init__(self, inner: keras.optimizers.Optimizer, k: int | None = None,
+                 density: float | None = None, metric: str = "l1",
+                 exchange: str = "allgather", nonfinite: str = "skip",
+                 block_rules: Mapping[str, str] | None = None, model: Any = None,
+                 name: str | None = None, **kwargs: Any):
+        if not isinstance(inner, keras.optimizers.Optimizer):
+            raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
+        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            raise TypeError("`inner` must not be a LossScaleOptimizer: use "
+                            "LossScaleOptimizer(BlockSparseOptimizer(...)) instead")
+        if isinstance(inner, BlockSparseOptimizer):
+            raise TypeError("`inner` is already a BlockSparseOptimizer")
+        k, density = validate_k_density(k, density)
+        if metric not in selection.METRICS:
+            raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
+        if exchange not in exchange_lib.EXCHANGES:
+            raise ValueError(f"`exchange` must be one of {exchange_lib.EXCHANGES}, "
+                             f"got {exchange!r}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"`nonfinite` must be one of {NONFINITE}, got {nonfinite!r}")
+        for rule in (block_rules or {}).values():
+            blocks._as_rule(rule, "block_rules")
+        kwargs.pop("learning_rate", None)
+        if kwargs:
+            raise ValueError(f"BlockSparseOptimizer does not take {sorted(kwargs)}; set them "
+                             "on the inner optimizer")
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner
+        self.k, self.density = k, density
+        self.metric = metric
+        self.exchange = exchange
+        self.nonfinite = nonfinite
+        self.block_rules = dict(block_rules or {})
+        self._model = model
+        inner._all_reduce_sum_gradients = _no_all_reduce
+        self.layouts: list[blocks.BlockLayout] = []
+        self._residuals: list[keras.Variable] = []
+
+    # -- state ---------------------------------------------------------------------------
+    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    def build(self, var_list: Sequence[keras.Variable]) -> None:
+        self.inner_optimizer.build(var_list)
+        self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules)
+        self._residuals = []
+        if self.exchange != "dense":
+            for v in var_list:
+                with self._distribution_strategy.extended.colocate_vars_with(
+                        v.value if isinstance(v, keras.Variable) else v):
+                    r = keras.Variable(
+                        initializer=keras.initializers.Zeros(), shape=v.shape, dtype=v.dtype,
+                        trainable=False, synchronization="on_read", aggregation="sum",
+                        name="residual_" + (getattr(v, "path", None) or v.name).replace("/", "_"))
+                self._track_variable(r)
+                self._residuals.append(r)
+        self._stats = keras.Variable(
+            initializer=keras.initializers.Zeros(), shape=(len(STAT_NAMES),), dtype="float32",
+            trainable=False, synchronization="on_read", aggregation="mean",
+            name="blocksparse_stats")
+        super().build(var_list)
+
+    @property
+    def residuals(self) -> list[keras.Variable]:
+        """Per-variable residuals (per replica; a cross-replica read returns their sum)."""
+        return list(self._residuals)
+
+    @property
+    def variables(self) -> list[keras.Variable]:
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self) -> Any:
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: Any) -> None:
+        self.inner_optimizer.learning_rate = value
+
+    @property
+    def iterations(self) -> Any:
+        return self.inner_optimizer.iterations
+
+    def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # -- step ----------------------------------------------------------------------------
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
+              ) -> None:
+        if not self.built:
+            if trainable_variables is None:
+                raise ValueError("the optimizer is not built: pass `trainable_variables` or "
+                                 "call build() first")
+            with keras.name_scope(self.name, caller=self):
+                self.build(list(trainable_variables))
+            self.built = True
+        tvs = list(self._trainable_variables if trainable_variables is None
+                   else trainable_variables)
+        if len(grads) != len(tvs):
+            raise ValueError(f"got {len(grads)} gradients for {len(tvs)} variables")
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context (inside "
+                             "strategy.run or model.fit)")
+        pairs = [(_densify(g), v) for g, v in zip(grads, tvs) if g is not None]
+        if not pairs:
+            return
+        grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]
+        idx = [self._get_variable_index(v) for v in tvs]
+        ctx = tf.distribute.get_replica_context()
+        if self.exchange == "dense":
+            result = exchange_lib.run_exchange("dense", ctx, None, grads, None)
+        else:
+            comp = BlockTopK([self.layouts[i] for i in idx], self.k, self.density, self.metric)
+            residuals = [self._residuals[i] for i in idx]
+            state = [tf.convert_to_tensor(r.value) for r in residuals]
+            result = exchange_lib.run_exchange(self.exchange, ctx, comp, grads, state)
+
+            def commit() -> tf.Operation:
+                return tf.group([r.value.assign(s) for r, s in zip(residuals, result.residuals)])
+
+            self._when_finite(result.finite, commit)
+        self._record(result)
+        self._apply_inner(result.updates, tvs, result.finite)
+
+    def _when_finite(self, finite: tf.Tensor, fn: Any) -> None:
+        if self.nonfinite == "apply":
+            fn()
+        else:
+            tf.cond(finite, fn, tf.no_op)
+
+    def _record(self, result: exchange_lib.ExchangeResult) -> None:
+        old = tf.convert_to_tensor(self._stats.value)
+        skipped = old[4] + tf.cast(tf.logical_not(result.finite), tf.float32)
+        self._stats.value.assign(tf.stack([
+            tf.constant(float(result.payload_bytes)), tf.constant(float(result.dense_bytes)),
+            tf.constant(float(result.blocks_kept)), tf.cast(result.residual_norm, tf.float32),
+            skipped]))
+
+    def _apply_inner(self, updates: Sequence[tf.Tensor], tvs: Sequence[Any],
+                     finite: tf.Tensor) -> None:
+        inner = self.inner_optimizer
+        if self.nonfinite == "apply":
+            inner.apply(list(updates), tvs)
+            return
+        if not tf.distribute.has_strategy() or \
+                tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(finite, lambda: inner.apply(list(updates), tvs), lambda: None)
+            return
+
+        def cross_replica(distribution: Any, updates: Any, finite: Any) -> None:
+            flag = distribution.experimental_local_results(finite)[0]
+
+            def apply_fn() -> None:
+                distribution.extended.call_for_each_replica(inner.apply, args=(updates, tvs))
+
+            tf.cond(flag, apply_fn, lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(list(updates), finite))
+
+    # -- observability -------------------------------------------------------------------
+    def block_sparse_metrics(self) -> dict[str, float]:
+        """Last step's figures, averaged over replicas (a collective under multi-worker).
+
+        Returns:
+          ``payload_bytes`` and ``dense_bytes`` handed to collectives per replica,
+          ``blocks_kept``, ``residual_norm`` (in the selection metric), ``skipped_steps``.
+        """
+        if not self.built:
+            return {}
+        values = self._stats.numpy()
+        return {n: float(v) for n, v in zip(STAT_NAMES, values)}
+
+    # -- config --------------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "inner": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "k": self.k if self.density is None else None, "density": self.density,
+            "metric": self.metric, "exchange": self.exchange, "nonfinite": self.nonfinite,
+            "block_rules": dict(self.block_rules),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None
+                    ) -> BlockSparseOptimizer:
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner"),
+                                                      custom_objects=custom_objects)
+        return cls(inner, **config)
