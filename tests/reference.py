@@ -1,0 +1,188 @@
+"""A pure NumPy reference of block top-k sparsification with error feedback (no TensorFlow).
+
+Written from the issue text, independently of :mod:`tf_blocksparse`, so the TF code can be
+checked against it.  A *layout* is anything with ``shape`` (the variable's shape) and
+``view_shape`` (``(outer, num_blocks, inner)``), e.g. a ``tf_blocksparse.blocks.BlockLayout``;
+this module never imports it (importing the package would import TensorFlow).
+
+Per variable, per replica::
+
+    acc          = grad + residual
+    ids          = the k blocks of acc with the highest L1 / L2 score (ties: lower id)
+    values       = acc's selected blocks, [k, outer * inner]
+    new_residual = acc with the selected blocks set to zero
+
+Exchange modes across replicas (:func:`np_step`): ``"allgather"`` (each replica its own
+top-k, the update is the sum of everybody's scattered blocks), ``"shared"`` (one common
+top-k from the scores summed over replicas) and ``"dense"`` (the update is the sum of the
+gradients, residuals untouched).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+MODES = ("allgather", "shared", "dense")
+
+
+def _view_shape(layout: Any) -> tuple[int, int, int]:
+    if hasattr(layout, "view_shape"):
+        return tuple(int(d) for d in layout.view_shape)
+    outer, nb, inner = layout
+    return int(outer), int(nb), int(inner)
+
+
+def _shape(layout: Any) -> tuple[int, ...]:
+    if hasattr(layout, "shape"):
+        return tuple(int(d) for d in layout.shape)
+    return _view_shape(layout)
+
+
+def _score_dtype(dtype: np.dtype) -> np.dtype:
+    """Scores are computed in (at least) float32, as the TF code does for half precision."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f" and dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    return dtype
+
+
+def np_view(x: np.ndarray, layout: Any) -> np.ndarray:
+    """Reshapes ``x`` [*shape] to its block view [outer, num_blocks, inner]."""
+    return np.reshape(np.asarray(x), _view_shape(layout))
+
+
+def np_scores(x: np.ndarray, layout: Any, metric: str = "l1") -> np.ndarray:
+    """[num_blocks] block scores: L1 = sum |x| over the block, L2 = sqrt(sum x^2)."""
+    v = np_view(x, layout)
+    v = v.astype(_score_dtype(v.dtype))
+    if metric == "l1":
+        return np.sum(np.abs(v), axis=(0, 2))
+    if metric == "l2":
+        return np.sqrt(np.sum(v * v, axis=(0, 2)))
+    raise ValueError(f"metric must be 'l1' or 'l2', got {metric!r}")
+
+
+def np_topk(scores: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the ``k`` highest scores, highest first; ties go to the lower id."""
+    scores = np.asarray(scores)
+    return np.argsort(-scores, kind="stable")[:k].astype(np.int32)
+
+
+def np_num_selected(nb: int, k: int | None = None, density: float | None = None) -> int:
+    """Blocks kept: ``max(1, min(nb, ceil(density * nb)))`` or ``min(k, nb)`` (k default 1)."""
+    if density is not None:
+        return max(1, min(nb, math.ceil(density * nb)))
+    return min(1 if k is None else k, nb)
+
+
+def np_gather(x: np.ndarray, layout: Any, ids: np.ndarray) -> np.ndarray:
+    """[k, outer * inner]: row i is block ``ids[i]`` in C order of (outer, inner)."""
+    outer, _, inner = _view_shape(layout)
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    g = np_view(x, layout)[:, ids, :]                      # [outer, k, inner]
+    return np.ascontiguousarray(np.transpose(g, (1, 0, 2))).reshape(ids.size, outer * inner)
+
+
+def np_scatter(values: np.ndarray, ids: np.ndarray, layout: Any,
+               dtype: Any = None) -> np.ndarray:
+    """Dense [*shape] tensor, zero outside the given blocks; repeated ids add up."""
+    outer, nb, inner = _view_shape(layout)
+    values = np.asarray(values)
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    out = np.zeros((outer, nb, inner), dtype or values.dtype)
+    for i, row in zip(ids, values.reshape(ids.size, outer * inner)):
+        out[:, i, :] += row.reshape(outer, inner)
+    return out.reshape(_shape(layout))
+
+
+def np_zero_blocks(x: np.ndarray, layout: Any, ids: np.ndarray) -> np.ndarray:
+    """A copy of ``x`` with the blocks ``ids`` set to zero."""
+    v = np_view(x, layout).copy()
+    v[:, np.asarray(ids, dtype=np.int64).reshape(-1), :] = 0
+    return v.reshape(_shape(layout))
+
+
+def np_compress(grad: np.ndarray, residual: np.ndarray, layout: Any, k: int | None = None,
+                density: float | None = None, metric: str = "l1"
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One variable, one replica: ``(ids, values, new_residual)``.
+
+    ``ids`` are in descending score order (ties: lower id first).
+    """
+    acc = np.asarray(grad) + np.asarray(residual)
+    nb = _view_shape(layout)[1]
+    ids = np_topk(np_scores(acc, layout, metric), np_num_selected(nb, k, density))
+    return ids, np_gather(acc, layout, ids), np_zero_blocks(acc, layout, ids)
+
+
+def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
+            residuals_per_replica: Sequence[Sequence[np.ndarray]] | None,
+            layouts: Sequence[Any], k: int | None = None, density: float | None = None,
+            metric: str = "l1") -> tuple[list[np.ndarray], list[list[np.ndarray]], bool]:
+    """One exchange step over all replicas.
+
+    Args:
+      mode: ``"allgather"``, ``"shared"`` or ``"dense"``.
+      grads_per_replica: ``[replica][variable]`` gradients.
+      residuals_per_replica: ``[replica][variable]`` residuals (may be ``None`` for dense).
+      layouts: One layout per variable.
+      k, density, metric: Selection parameters (see :func:`np_compress`).
+
+    Returns:
+      ``(updates, new_residuals, finite)``: per variable the summed update (the same on
+      every replica), ``[replica][variable]`` new residuals, and whether every value that
+      took part was finite.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    n = len(grads_per_replica)
+    nvars = len(layouts)
+    if mode == "dense":
+        updates = [sum(np.asarray(grads_per_replica[r][v]) for r in range(n))
+                   for v in range(nvars)]
+        finite = all(bool(np.all(np.isfinite(u))) for u in updates)
+        residuals = ([[np.asarray(x) for x in rs] for rs in residuals_per_replica]
+                     if residuals_per_replica is not None else [])
+        return updates, residuals, finite
+
+    accs = [[np.asarray(grads_per_replica[r][v]) + np.asarray(residuals_per_replica[r][v])
+             for v in range(nvars)] for r in range(n)]
+    scores = [[np_scores(accs[r][v], layouts[v], metric) for v in range(nvars)]
+              for r in range(n)]
+    finite = all(bool(np.all(np.isfinite(s))) for rs in scores for s in rs)
+    updates = [np.zeros(_shape(lay), accs[0][v].dtype) for v, lay in enumerate(layouts)]
+    residuals: list[list[np.ndarray]] = [[None] * nvars for _ in range(n)]
+    for v, lay in enumerate(layouts):
+        count = np_num_selected(_view_shape(lay)[1], k, density)
+        if mode == "shared":
+            summed = sum(scores[r][v] for r in range(n))
+            finite = finite and bool(np.all(np.isfinite(summed)))
+            common = np_topk(summed, count)
+        for r in range(n):
+            ids = np_topk(scores[r][v], count) if mode == "allgather" else common
+            updates[v] = updates[v] + np_scatter(np_gather(accs[r][v], lay, ids), ids, lay)
+            residuals[r][v] = np_zero_blocks(accs[r][v], lay, ids)
+    return updates, residuals, finite
+
+
+def np_sgd_momentum(w: np.ndarray, m: np.ndarray, g: np.ndarray, lr: float, momentum: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Keras 3 SGD (no Nesterov): ``m = momentum * m - lr * g; w = w + m``.
+
+    With ``momentum == 0`` it is plain ``w = w - lr * g`` and ``m`` is returned unchanged.
+    Arithmetic stays in the arrays' dtype (Python floats do not promote float32).
+
+    Returns:
+      ``(new_w, new_m)``.
+    """
+    w, m = np.asarray(w), np.asarray(m)
+    dt = w.dtype.type  # Keras casts the learning rate, momentum and gradient to w's dtype
+    g = np.asarray(g).astype(w.dtype)
+    if momentum == 0:
+        return w - g * dt(lr), m
+    m = m * dt(momentum) - g * dt(lr)
+    return w + m, m

@@ -1,0 +1,213 @@
+"""BlockSparseOptimizer behaviour in model.fit and custom loops (2 real replicas)."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_blocksparse as tfbs
+
+
+def _cnn() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(6, 3, activation="relu"),
+        keras.layers.Flatten(), keras.layers.Dense(4),
+    ])
+
+
+def _xy(n=64):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, 8, 8, 1)).astype("float32")
+    return x, rng.integers(0, 4, n).astype("int32")
+
+
+def _fit(strategy, make_opt, epochs=2, model_fn=_cnn, data=None):
+    x, y = data if data is not None else _xy()
+    with strategy.scope():
+        model = model_fn()
+        opt = make_opt()
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+    hist = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    return model, opt, hist
+
+
+def test_dense_exchange_is_bit_identical_to_plain_sgd(mirrored2):
+    plain, _, _ = _fit(mirrored2, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    ours, opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), exchange="dense"))
+    for a, b in zip(plain.get_weights(), ours.get_weights()):
+        assert np.array_equal(a, b)
+    assert opt.block_sparse_metrics()["payload_bytes"] == opt.block_sparse_metrics()[
+        "dense_bytes"]
+
+
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+def test_replica_weights_identical_residuals_differ(mirrored2, mode):
+    model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), k=1, exchange=mode))
+    for v in model.trainable_variables:
+        a, b = (t.numpy() for t in v.value.values)
+        assert np.array_equal(a, b), v.path
+    differ = [not np.array_equal(*(t.numpy() for t in r.value.values)) for r in opt.residuals]
+    assert all(differ)
+    m = opt.block_sparse_metrics()
+    # conv kernel 3x3x1x6, bias 6, dense kernel 216x4, bias 4; one block each.
+    values = 4 * (9 + 1 + 216 + 1)
+    side = 4 * (4 + 1) if mode == "allgather" else 4 * (6 + 6 + 4 + 4)  # ids+flag | scores
+    assert m["payload_bytes"] == values + side
+    assert m["dense_bytes"] == 4 * (54 + 6 + 864 + 4)
+    assert m["blocks_kept"] == len(model.trainable_variables)
+    assert m["residual_norm"] > 0 and m["skipped_steps"] == 0
+    assert np.isfinite(hist.history["loss"]).all()
+
+
+def test_block_sparse_training_reduces_loss(mirrored2):
+    _, _, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), density=0.25), epochs=6)
+    loss = hist.history["loss"]
+    assert loss[-1] < loss[0] * 0.9, loss
+
+
+def test_keras_save_load_round_trip(mirrored2, tmp_path):
+    model, opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), density=0.5, metric="l2", exchange="shared"),
+        epochs=1)
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    with mirrored2.scope():
+        loaded = keras.models.load_model(path)
+    lopt = loaded.optimizer
+    assert isinstance(lopt, tfbs.BlockSparseOptimizer)
+    assert (lopt.k, lopt.density, lopt.metric, lopt.exchange) == (None, 0.5, "l2", "shared")
+    assert isinstance(lopt.inner_optimizer, keras.optimizers.SGD)
+    assert lopt.inner_optimizer.momentum == 0.9
+    assert int(lopt.iterations.numpy()) == int(opt.iterations.numpy())
+    # A checkpoint holds the sum over replicas; on load each replica gets sum / N.
+    for a, b in zip(opt.residuals, lopt.residuals):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+        halves = [t.numpy() for t in b.value.values]
+        np.testing.assert_allclose(halves[0], a.numpy() / 2, rtol=1e-6, atol=1e-7)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        assert np.array_equal(a, b)
+    loaded.fit(*_xy(32), batch_size=16, epochs=1, verbose=0)  # keeps training
+
+
+def test_config_round_trip():
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.Adam(1e-3), k=3, metric="l2",
+                                    exchange="shared", block_rules={"dense": "single"})
+    again = tfbs.BlockSparseOptimizer.from_config(opt.get_config())
+    assert again.get_config() == opt.get_config()
+    assert isinstance(again.inner_optimizer, keras.optimizers.Adam)
+
+
+def test_learning_rate_is_delegated():
+    inner = keras.optimizers.SGD(0.1)
+    opt = tfbs.BlockSparseOptimizer(inner)
+    opt.learning_rate = 0.25
+    assert float(np.asarray(inner.learning_rate)) == pytest.approx(0.25)
+    assert opt.k == 1 and opt.density is None
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"k": 0}, "`k`"), ({"k": 2.5}, "`k`"), ({"k": True}, "`k`"),
+    ({"density": 0.0}, "`density`"), ({"density": 1.5}, "`density`"),
+    ({"density": -0.1}, "`density`"), ({"k": 2, "density": 0.5}, "`k` and `density`"),
+    ({"metric": "linf"}, "`metric`"), ({"exchange": "ring"}, "`exchange`"),
+    ({"nonfinite": "zero"}, "`nonfinite`"), ({"block_rules": {"x": "rows"}}, "block_rules"),
+    ({"clipnorm": 1.0}, "clipnorm"),
+])
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+
+
+@pytest.mark.parametrize("inner", [object(), "sgd",
+                                   keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())])
+def test_bad_inner_is_a_type_error(inner):
+    with pytest.raises(TypeError, match="`inner`"):
+        tfbs.BlockSparseOptimizer(inner)
+
+
+def test_embedding_indexed_slices(mirrored2):
+    def model_fn():
+        keras.utils.set_random_seed(2)
+        return keras.Sequential([keras.Input((5,), dtype="int32"),
+                                 keras.layers.Embedding(50, 8), keras.layers.Flatten(),
+                                 keras.layers.Dense(4)])
+
+    rng = np.random.default_rng(0)
+    data = (rng.integers(0, 50, (64, 5)).astype("int32"), rng.integers(0, 4, 64).astype("int32"))
+    before = model_fn().get_weights()[0]
+    model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1), k=2), model_fn=model_fn, data=data, epochs=1)
+    emb_layout = opt.layouts[0]
+    assert emb_layout.rule.name == "row" and emb_layout.num_blocks == 50
+    changed = np.flatnonzero(np.any(model.get_weights()[0] != before, axis=1))
+    # 4 steps x 2 replicas x k=2 rows at most.
+    assert 1 <= len(changed) <= 16
+    assert np.isfinite(hist.history["loss"]).all()
+
+
+def _custom_loop(strategy, opt_fn, poison_replica=None, steps=2):
+    with strategy.scope():
+        model = _cnn()
+        opt = opt_fn()
+        opt.build(model.trainable_variables)
+    x, y = _xy(8)
+
+    @tf.function
+    def train(poison):
+        def step():
+            ctx = tf.distribute.get_replica_context()
+            with tf.GradientTape() as tape:
+                logits = model(x)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                    y, logits, from_logits=True)) / ctx.num_replicas_in_sync
+            grads = tape.gradient(loss, model.trainable_variables)
+            bad = tf.logical_and(poison, tf.equal(ctx.replica_id_in_sync_group,
+                                                  poison_replica or 0))
+            grads[0] = tf.where(bad, grads[0] * np.nan, grads[0])
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(step)
+
+    for _ in range(steps):
+        train(tf.constant(False))
+    return model, opt, train
+
+
+@pytest.mark.parametrize("mode", ["allgather", "shared", "dense"])
+def test_nonfinite_gradient_skips_step_on_every_replica(mirrored2, mode):
+    model, opt, train = _custom_loop(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode), poison_replica=1)
+    weights = [[t.numpy() for t in v.value.values] for v in model.trainable_variables]
+    residuals = [[t.numpy() for t in r.value.values] for r in opt.residuals]
+    moments = [v.numpy() for v in opt.inner_optimizer.variables]
+    it = int(opt.iterations.numpy())
+    train(tf.constant(True))
+    for v, before in zip(model.trainable_variables, weights):
+        for t, b in zip(v.value.values, before):
+            assert np.array_equal(t.numpy(), b)
+    for r, before in zip(opt.residuals, residuals):
+        for t, b in zip(r.value.values, before):
+            assert np.array_equal(t.numpy(), b) and np.isfinite(t.numpy()).all()
+    for v, b in zip(opt.inner_optimizer.variables, moments):
+        assert np.array_equal(v.numpy(), b)
+    assert int(opt.iterations.numpy()) == it
+    assert opt.block_sparse_metrics()["skipped_steps"] == 1
+    train(tf.constant(False))  # training resumes
+    assert int(opt.iterations.numpy()) == it + 1
+
+
+def test_no_strategy_custom_loop_and_loss_scale_outside():
+    model = _cnn()
+    opt = keras.optimizers.LossScaleOptimizer(tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1), k=2))
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    hist = model.fit(*_xy(), batch_size=16, epochs=3, verbose=0)
+    assert hist.history["loss"][-1] < hist.history["loss"][0]
+    assert opt.inner_optimizer.block_sparse_metrics()["blocks_kept"] == 8

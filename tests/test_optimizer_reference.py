@@ -1,0 +1,97 @@
+"""The wrapper against a NumPy re-implementation of the core issue, on 2 real replicas."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_blocksparse as tfbs
+from tests import reference as ref
+
+LR, MOMENTUM, STEPS = 0.05, 0.9, 4
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([
+        keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3, activation="tanh"),
+        keras.layers.Flatten(), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3),
+    ])
+
+
+def _data(step: int, replica: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 * step + replica)
+    return (rng.standard_normal((4, 6, 6, 2)).astype("float32"),
+            rng.standard_normal((4, 3)).astype("float32"))
+
+
+def _loss(model, x, y, num_replicas):
+    return tf.reduce_mean(tf.square(model(x) - y)) / num_replicas
+
+
+def _replica_grads(weights, x, y, num_replicas):
+    """Per-replica gradients computed on one device at the given weights."""
+    m = _model()
+    m.set_weights(weights)
+    with tf.GradientTape() as tape:
+        loss = _loss(m, x, y, num_replicas)
+    return [g.numpy() for g in tape.gradient(loss, m.trainable_variables)]
+
+
+def _run_distributed(strategy, **opt_kwargs):
+    with strategy.scope():
+        model = _model()
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM), **opt_kwargs)
+        opt.build(model.trainable_variables)
+    n = strategy.num_replicas_in_sync
+
+    @tf.function
+    def train(x, y):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = _loss(model, xb, yb, n)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.run(step, args=(x, y))
+
+    for s in range(STEPS):
+        x = strategy.experimental_distribute_values_from_function(
+            lambda ctx, s=s: tf.constant(_data(s, ctx.replica_id_in_sync_group)[0]))
+        y = strategy.experimental_distribute_values_from_function(
+            lambda ctx, s=s: tf.constant(_data(s, ctx.replica_id_in_sync_group)[1]))
+        train(x, y)
+    return model, opt
+
+
+def _run_reference(n, mode, k=None, density=None, metric="l1"):
+    model = _model()
+    layouts = tfbs.blocks.layouts_for(model.trainable_variables, model)
+    weights = [w.numpy() for w in model.trainable_variables]
+    moms = [np.zeros_like(w) for w in weights]
+    residuals = [[np.zeros_like(w) for w in weights] for _ in range(n)]
+    for s in range(STEPS):
+        grads = [_replica_grads(weights, *_data(s, r), n) for r in range(n)]
+        updates, residuals, finite = ref.np_step(mode, grads, residuals, layouts, k, density,
+                                                 metric)
+        assert finite
+        for i, g in enumerate(updates):
+            weights[i], moms[i] = ref.np_sgd_momentum(weights[i], moms[i], g, LR, MOMENTUM)
+    return weights, residuals
+
+
+@pytest.mark.parametrize("mode", ["allgather", "shared", "dense"])
+@pytest.mark.parametrize("metric", ["l1", "l2"])
+def test_matches_numpy_reference(mirrored2, mode, metric):
+    kwargs = {"density": 0.5} if metric == "l2" else {"k": 1}
+    model, opt = _run_distributed(mirrored2, exchange=mode, metric=metric, **kwargs)
+    want_w, want_r = _run_reference(2, mode, metric=metric, **kwargs)
+    for got, want in zip(model.trainable_variables, want_w):
+        for replica_value in got.value.values:
+            np.testing.assert_allclose(replica_value.numpy(), want, rtol=2e-5, atol=2e-6)
+    if mode != "dense":
+        for r, var in enumerate(opt.residuals):
+            for replica in range(2):
+                np.testing.assert_allclose(var.value.values[replica].numpy(), want_r[replica][r],
+                                           rtol=2e-5, atol=2e-6)
+    assert int(opt.iterations.numpy()) == STEPS
