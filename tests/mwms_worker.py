@@ -1,0 +1,44 @@
+"""One worker of the 2-process MultiWorkerMirroredStrategy test (reads TF_CONFIG).
+
+Usage: python tests/mwms_worker.py OUT_DIR EXCHANGE
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_blocksparse as tfbs  # noqa: E402
+
+
+def main(out_dir: str, exchange: str) -> None:
+    strategy = tfbs.MultiWorkerMirroredStrategy()
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 8, 8, 1)).astype("float32")
+    y = (x[:, :4, :4, 0].mean(axis=(1, 2)) > 0).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.Flatten(), keras.layers.Dense(2)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), k=1,
+                                        exchange=exchange)
+        model.compile(optimizer=opt, metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    hist = model.fit(ds, epochs=4, verbose=0)
+    metrics = opt.block_sparse_metrics()  # a collective: every worker reads it
+    np.savez(os.path.join(out_dir, f"weights_{task}.npz"), *model.get_weights())
+    with open(os.path.join(out_dir, f"history_{task}.json"), "w") as f:
+        json.dump({"loss": hist.history["loss"], "metrics": metrics,
+                   "replicas": strategy.num_replicas_in_sync}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
