@@ -211,3 +211,23 @@ def test_no_strategy_custom_loop_and_loss_scale_outside():
     hist = model.fit(*_xy(), batch_size=16, epochs=3, verbose=0)
     assert hist.history["loss"][-1] < hist.history["loss"][0]
     assert opt.inner_optimizer.block_sparse_metrics()["blocks_kept"] == 8
+
+
+def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path):
+    x, y = _xy()
+    with mirrored2.scope():
+        model = _cnn()
+        model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    cb = tfbs.BlockSparseMetrics(log_dir=str(tmp_path))
+    hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    for name in ("payload_bytes", "dense_bytes", "compression", "blocks_kept",
+                 "residual_norm", "skipped_steps"):
+        assert name in hist.history, name
+    assert hist.history["compression"][-1] == pytest.approx(
+        hist.history["dense_bytes"][-1] / hist.history["payload_bytes"][-1])
+    assert hist.history["compression"][-1] > 3
+    events = list((tmp_path / "block_sparse").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    with pytest.raises(ValueError, match="update_freq"):
+        tfbs.BlockSparseMetrics(update_freq=0)

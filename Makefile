@@ -1,0 +1,57 @@
+# Set-up, tests and demo for tf_blocksparse.  `make demo` and `make test` are the entry points.
+
+VENV ?= .venv
+PY = $(VENV)/bin/python
+STAMP = $(VENV)/.installed
+FASHION_DIR ?= /usr/share/datasets/fashion-mnist
+PYTEST_FLAGS = -q -x -p no:cacheprovider
+
+export TF_CPP_MIN_LOG_LEVEL = 2
+
+.PHONY: venv data test test-slow lint demo bench clean
+
+venv: $(STAMP)
+
+# Re-install only when pyproject.toml changes (or the venv is new).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+# Debian's Fashion-MNIST IDX files; optional (the loaders fall back to sklearn digits).
+data:
+	@if [ -d "$(FASHION_DIR)" ]; then \
+		echo "data: Fashion-MNIST found in $(FASHION_DIR)"; \
+	elif [ "$$(id -u)" = "0" ]; then \
+		echo "data: installing dataset-fashion-mnist"; \
+		( apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist ) \
+			|| echo "data: NOTE: could not install dataset-fashion-mnist; the digits fallback will be used"; \
+	else \
+		echo "data: NOTE: $(FASHION_DIR) missing and not root; the digits fallback will be used"; \
+	fi
+
+# pytest exits 5 when it collects nothing; treat that as a failure.
+define run_pytest
+	@rc=0; $(PY) -m pytest $(PYTEST_FLAGS) $(1) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests were collected -- failing" >&2; exit 1; fi; \
+	exit $$rc
+endef
+
+test: venv data
+	$(call run_pytest,)
+
+test-slow: venv data
+	$(call run_pytest,-m slow)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+demo: venv data
+	$(PY) launch/demo.py
+
+bench: venv
+	$(PY) launch/bench_selection.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis runs
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""Launch scripts (demo, benchmarks) and their offline data loaders."""

@@ -1,0 +1,1 @@
+"""Keras models used by the launch scripts."""

@@ -1,0 +1,85 @@
+"""``BlockSparseMetrics``: the wrapper's per-step figures in the logs and in TensorBoard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
+
+
+def find_block_sparse(optimizer: Any) -> BlockSparseOptimizer | None:
+    """The :class:`BlockSparseOptimizer` inside ``optimizer`` (e.g. under loss scaling)."""
+    while optimizer is not None:
+        if isinstance(optimizer, BlockSparseOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+class BlockSparseMetrics(keras.callbacks.Callback):
+    """Adds ``payload_bytes``, ``dense_bytes``, ``compression``, ``blocks_kept``,
+    ``residual_norm`` and ``skipped_steps`` to the batch and epoch logs, and writes them as
+    TensorBoard scalars.
+
+    Put it *before* ``keras.callbacks.TensorBoard`` / progress bar in ``callbacks=`` so they
+    see the values.  Reading the figures is a collective under multi-worker training, so
+    every worker must run this callback (Keras runs callbacks on every worker).
+
+    Args:
+      log_dir: Optional TensorBoard directory (a ``block_sparse`` sub-directory is used).
+        Only the chief writes.
+      update_freq: Read and log every this many batches.
+    """
+
+    def __init__(self, log_dir: str | None = None, update_freq: int = 1):
+        super().__init__()
+        if not isinstance(update_freq, int) or update_freq < 1:
+            raise ValueError(f"`update_freq` must be an int >= 1, got {update_freq!r}")
+        self.log_dir = log_dir
+        self.update_freq = update_freq
+        self._writer = None
+        self._step = 0
+        self._last: dict[str, float] = {}
+
+    def _opt(self) -> BlockSparseOptimizer | None:
+        return find_block_sparse(getattr(self.model, "optimizer", None))
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        strategy = tf.distribute.get_strategy()
+        chief = getattr(strategy.extended, "should_checkpoint", True)
+        if self.log_dir and chief and self._writer is None:
+            self._writer = tf.summary.create_file_writer(f"{self.log_dir}/block_sparse")
+
+    def _read(self) -> dict[str, float]:
+        opt = self._opt()
+        if opt is None or not opt.built:
+            return {}
+        m = opt.block_sparse_metrics()
+        m["compression"] = m["dense_bytes"] / m["payload_bytes"] if m["payload_bytes"] else 0.0
+        return m
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._step += 1
+        if self._step % self.update_freq == 0:
+            self._last = self._read()
+            if self._writer is not None and self._last:
+                with self._writer.as_default(step=self._step):
+                    for name, value in self._last.items():
+                        tf.summary.scalar(name, value)
+        if logs is not None:
+            logs.update(self._last)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._last = self._read()
+        if logs is not None:
+            logs.update(self._last)
+        if self._writer is not None:
+            self._writer.flush()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
