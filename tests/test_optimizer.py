@@ -231,3 +231,19 @@ def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path):
     assert events and events[0].stat().st_size > 0
     with pytest.raises(ValueError, match="update_freq"):
         tfbs.BlockSparseMetrics(update_freq=0)
+
+
+def test_optimizer_finds_layer_classes_of_renamed_layers():
+    model = keras.Sequential([
+        keras.Input((6, 6, 3)), keras.layers.Conv2DTranspose(5, 3, name="up"),
+        keras.layers.DepthwiseConv2D(3, depth_multiplier=2, name="dw"),
+        keras.layers.Flatten(), keras.layers.Dense(4, name="head")])
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1))
+    opt.build(model.trainable_variables)
+    by_path = {lay.path.split("/", 1)[1]: lay for lay in opt.layouts}
+    up = by_path["up/kernel"]  # kernel (3, 3, 5, 3): filters are axis -2
+    assert (up.rule.name, up.num_blocks, up.block_size) == ("transpose_filter", 5, 27)
+    dw = by_path["dw/kernel"]  # (3, 3, 5, 2): one block per (channel, multiplier)
+    assert (dw.rule.name, dw.num_blocks, dw.block_size) == ("depthwise_channel", 10, 9)
+    assert by_path["head/kernel"].num_blocks == 4
+    assert all(lay.layer_class for lay in opt.layouts)

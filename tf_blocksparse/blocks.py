@@ -12,15 +12,18 @@ Lookup order (first hit wins):
 
 1. **layer class** (walking the class's MRO by name, so subclasses inherit), then the
    variable's own name inside the layer (``kernel``, ``bias``, ...);
-2. **variable path**: the last path component (``.../gamma``, ``.../embeddings``);
+2. **variable path**: the last path component (``.../gamma``, ``.../embeddings``, and
+   ``.../kernel`` -> one block per output channel, right for Dense, Conv1D/2D/3D, EinsumDense
+   and recurrent cells, *not* for transposed or depthwise convolutions);
 3. **rank**: rank 0/1 -> one block per element; rank >= 2 -> the documented fallback, a
    single block per variable (the whole tensor is kept or dropped), with a logged warning.
 
 Rank alone is wrong for ``Conv2DTranspose`` (kernel ``(kh, kw, filters, in)``: filters are
 axis -2) and ``Embedding`` (rows are axis 0), which is why the class comes first.  When the
-class is not known (an optimizer only sees variables), it is inferred from the layer's
-default name in the path (``conv2d_transpose_3`` -> ``Conv2DTranspose``); pass the model to
-:func:`block_table` or ``BlockSparseOptimizer(model=...)`` for renamed layers.
+class is not known it is inferred from the layer's default name in the path
+(``conv2d_transpose_3`` -> ``Conv2DTranspose``).  The Keras optimizer wrapper finds the
+owning layer of every variable itself (see ``BlockSparseOptimizer``), so renamed layers are
+looked up by their real class too.
 
 This module is pure Python (no TensorFlow import).
 """
@@ -113,6 +116,7 @@ LAYER_RULES: dict[str, dict[str, BlockRule]] = {
 
 #: Last path component -> rule, for variables whose layer class is unknown.
 PATH_RULES: dict[str, BlockRule] = {
+    "kernel": OUTPUT_CHANNEL, "depthwise_kernel": DEPTHWISE, "pointwise_kernel": OUTPUT_CHANNEL,
     "bias": ELEMENT, "gamma": ELEMENT, "beta": ELEMENT, "scale": ELEMENT, "offset": ELEMENT,
     "embeddings": ROW, "recurrent_kernel": OUTPUT_CHANNEL,
 }
@@ -255,15 +259,17 @@ def _variable_owners(model: Any) -> dict[int, Any]:
 
 
 def layouts_for(variables: Iterable[Any], model: Any = None,
-                overrides: Mapping[str, str | BlockRule] | None = None) -> list[BlockLayout]:
+                overrides: Mapping[str, str | BlockRule] | None = None,
+                owners: Mapping[int, Any] | None = None) -> list[BlockLayout]:
     """Returns the layout of each variable (objects with ``.path``/``.name`` and ``.shape``).
 
     Args:
       variables: Keras or TF variables.
       model: Optional Keras model owning them; gives the exact layer class of each.
       overrides: See :func:`rule_for`.
+      owners: Optional ``{id(variable): layer}`` (used where ``model`` does not say).
     """
-    owners = _variable_owners(model) if model is not None else {}
+    owners = {**(owners or {}), **(_variable_owners(model) if model is not None else {})}
     out = []
     for v in variables:
         path = getattr(v, "path", None) or v.name.split(":")[0]

@@ -23,6 +23,7 @@ a ``LossScaleOptimizer`` *inside* is rejected because residuals would mix loss s
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,23 @@ STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "s
 def _no_all_reduce(grads_and_vars: Any) -> list:
     """Replaces the inner optimizer's all-reduce: the wrapper already exchanged."""
     return list(grads_and_vars)
+
+
+def discover_owners(variables: Sequence[Any]) -> dict[int, Any]:
+    """Maps ``id(variable)`` to the live Keras layer that created it.
+
+    The optimizer only sees variables, but the block-rule table needs each one's layer class
+    (a renamed ``Conv2DTranspose`` kernel must not be split like a ``Conv2D`` kernel).  One
+    pass over the garbage collector's live objects at build time finds the layers.
+    """
+    wanted = {id(v) for v in variables}
+    owners: dict[int, Any] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, keras.layers.Layer):
+            for v in getattr(obj, "_trainable_variables", ()):
+                if id(v) in wanted:
+                    owners.setdefault(id(v), obj)
+    return owners
 
 
 def _densify(g: Any) -> tf.Tensor:
@@ -62,8 +80,9 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         :mod:`tf_blocksparse.exchange`).
       nonfinite: ``"skip"`` (default) or ``"apply"``.
       block_rules: Optional ``{path regex: rule name}`` overriding the block-rule table.
-      model: Optional Keras model, to look variables up by their exact layer class (needed
-        only for renamed layers whose class the default name does not reveal).
+      model: Optional Keras model whose layers own the variables.  Without it the owning
+        layers are found among the live Keras layers at build time; either way every
+        variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
       name: Optimizer name.
     """
 
@@ -109,7 +128,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
     @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         self.inner_optimizer.build(var_list)
-        self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules)
+        owners = None if self._model is not None else discover_owners(var_list)
+        self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules, owners)
         self._residuals = []
         if self.exchange != "dense":
             for v in var_list:

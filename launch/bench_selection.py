@@ -1,0 +1,129 @@
+"""Selection cost on ResNet-50-shaped gradients, against plain passes over the same tensors.
+
+Prints one JSON object (milliseconds, median of ``--repeats`` runs, all in one process):
+``select_ms`` (score + top-k + gather), ``compress_ms`` (accumulate + select + residual +
+pack: the wrapper's full per-step work on one replica), ``flat_topk_ms`` (``tf.math.top_k``
+on each flattened tensor for the same number of elements), ``read_pass_ms`` (one
+``reduce_sum(abs(g))`` over all tensors), ``accumulate_pass_ms`` (``residual += grad`` over
+all tensors), ratios, and one step's ``payload_bytes`` / ``dense_bytes``.
+
+    python launch/bench_selection.py [--k=1 | --density=0.01] [--metric=l1] [--repeats=7]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from tf_blocksparse import blocks, codec, selection  # noqa: E402
+from tf_blocksparse.feedback import BlockTopK  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_integer("k", None, "Blocks kept per variable (default 1).")
+    flags.DEFINE_float("density", None, "Fraction of blocks kept per variable.")
+    flags.DEFINE_enum("metric", "l1", ["l1", "l2"], "Block score.")
+    flags.DEFINE_integer("repeats", 7, "Timed runs per measurement (median reported).")
+    flags.DEFINE_string("model", "resnet50", "keras.applications model: resnet50 or vgg16.")
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # trace + warm up
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def measure(model_name: str, k: int | None, density: float | None, metric: str,
+            repeats: int) -> dict:
+    """Builds the variable set, runs every measurement side by side, returns the record."""
+    builder = {"resnet50": keras.applications.ResNet50, "vgg16": keras.applications.VGG16}
+    model = builder[model_name](weights=None)
+    layouts = blocks.layouts_for(model.trainable_variables, model)
+    del model
+    comp = BlockTopK(layouts, k=k, density=density, metric=metric)
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.standard_normal(lay.shape, dtype=np.float32)) for lay in layouts]
+    residuals = [tf.Variable(tf.zeros(lay.shape)) for lay in layouts]
+    flat_k = [n * lay.block_size for n, lay in zip(comp.counts, layouts)]
+
+    @tf.function
+    def read_pass():
+        return tf.add_n([tf.reduce_sum(tf.abs(g)) for g in grads])
+
+    @tf.function
+    def accumulate_pass():
+        for r, g in zip(residuals, grads):
+            r.assign_add(g)
+
+    @tf.function
+    def select():
+        scores = [selection.block_scores(g, lay, metric) for g, lay in zip(grads, layouts)]
+        ids = comp.select(scores)
+        return [selection.gather_blocks(g, lay, i) for g, lay, i in zip(grads, layouts, ids)]
+
+    @tf.function
+    def flat_topk():
+        return [tf.math.top_k(tf.reshape(g, [-1]), k=n).values for g, n in zip(grads, flat_k)]
+
+    @tf.function
+    def compress():
+        state = [r.read_value() for r in residuals]
+        prepared = comp.prepare(grads, state)
+        payload, new_state = comp.finish(prepared, comp.select(prepared.scores))
+        id_buf = codec.pack(list(payload.ids))
+        val_buf = codec.pack(list(payload.values))
+        for r, s in zip(residuals, new_state):
+            r.assign(s)
+        return id_buf, val_buf
+
+    timings = {name: _median_ms(fn, repeats) for name, fn in [
+        ("read_pass_ms", read_pass), ("accumulate_pass_ms", accumulate_pass),
+        ("select_ms", select), ("compress_ms", compress), ("flat_topk_ms", flat_topk)]}
+    id_buf, val_buf = compress()
+    payload = codec.buffer_nbytes(id_buf) + codec.buffer_nbytes(val_buf)
+    dense = sum(codec.buffer_nbytes(g) for g in grads)
+    return {
+        "model": model_name, "variables": len(layouts),
+        "parameters": int(sum(lay.size for lay in layouts)),
+        "k": comp.k, "density": comp.density, "metric": metric, "repeats": repeats,
+        **{n: round(v, 3) for n, v in timings.items()},
+        "select_over_read_pass": round(timings["select_ms"] / timings["read_pass_ms"], 3),
+        "compress_over_accumulate_pass": round(
+            timings["compress_ms"] / timings["accumulate_pass_ms"], 3),
+        "flat_topk_over_select": round(timings["flat_topk_ms"] / timings["select_ms"], 3),
+        "payload_bytes": payload, "dense_bytes": dense,
+        "compression_ratio": round(dense / payload, 1),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "tensorflow": tf.__version__,
+                    "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU"},
+    }
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    print(json.dumps(measure(FLAGS.model, FLAGS.k, FLAGS.density, FLAGS.metric,
+                             FLAGS.repeats)))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
