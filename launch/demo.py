@@ -82,7 +82,8 @@ def main(argv: list[str]) -> None:
     print(f"dataset={name} train={len(train[0])} test={len(test[0])} "
           f"replicas={strategy.num_replicas_in_sync} epochs={FLAGS.epochs}")
     rows = [run_method(strategy, n, kw, train, test) for n, kw in METHODS.items()]
-    header = f"{'method':24} {'test_acc':>8} {'bytes/step':>11} {'dense':>9} {'ratio':>7} {'wall_s':>7}"
+    header = (f"{'method':24} {'test_acc':>8} {'bytes/step':>11} {'dense':>9} {'ratio':>7} "
+              f"{'wall_s':>7}")
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         print(f"{r['method']:24} {r['test_accuracy']:8.4f} {r['payload_bytes_per_step']:11d} "

@@ -244,7 +244,8 @@ def _as_rule(rule: str | BlockRule, argument: str) -> BlockRule:
     if isinstance(rule, BlockRule):
         return rule
     if rule not in RULES:
-        raise ValueError(f"{argument}: unknown block rule {rule!r}; expected one of {sorted(RULES)}")
+        raise ValueError(f"{argument}: unknown block rule {rule!r}; "
+                         f"expected one of {sorted(RULES)}")
     return RULES[rule]
 
 
