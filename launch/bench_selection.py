@@ -36,7 +36,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("k", None, "Blocks kept per variable (default 1).")
     flags.DEFINE_float("density", None, "Fraction of blocks kept per variable.")
     flags.DEFINE_enum("metric", "l1", ["l1", "l2"], "Block score.")
-    flags.DEFINE_integer("repeats", 7, "Timed runs per measurement (median reported).")
+    flags.DEFINE_integer("repeats", 9, "Timed runs per measurement (median reported).")
     flags.DEFINE_string("model", "resnet50", "keras.applications model: resnet50 or vgg16.")
 
 

@@ -408,3 +408,25 @@ def test_print_blocks_rejects_bad_arguments(print_blocks):
         print_blocks.render("cnn_small", density=2.0)
     with pytest.raises(ValueError, match="input_shape"):
         print_blocks.parse_input_shape("32,x,3")
+
+
+def test_einsum_dense_multi_axis_output_units():
+    import keras
+
+    from tf_blocksparse import blocks as b
+
+    layer = keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, 2, 4), bias_axes="de")
+    layer.build((None, 3, 8))
+    lay = b.layouts_for([layer.kernel], owners={id(layer.kernel): layer})[0]
+    assert (lay.rule.name, lay.num_blocks, lay.block_size) == ("output_unit_2d", 8, 8)
+    assert b._einsum_kernel_rule("ab,bc->ac", 2).name == "output_channel"
+    assert b._einsum_kernel_rule("abc,dce->abde", 3) is None  # output axes not trailing
+
+
+def test_zero_size_variable_is_rejected():
+    import pytest
+
+    from tf_blocksparse import blocks as b
+
+    with pytest.raises(ValueError, match="no elements"):
+        b.rule_for("m/dense/kernel", (3, 0))

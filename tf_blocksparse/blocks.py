@@ -77,9 +77,12 @@ DEPTHWISE = BlockRule("depthwise_channel", "last_two", "one block per (channel, 
 ROW = BlockRule("row", "first", "one block per row (axis 0)")
 ELEMENT = BlockRule("element", "all", "one block per element")
 SINGLE = BlockRule("single", "none", "fallback: the whole variable is one block")
+OUTPUT_UNIT_2D = BlockRule("output_unit_2d", "last_two",
+                           "one block per output unit spanning the last two axes")
 
 RULES: dict[str, BlockRule] = {
-    r.name: r for r in (OUTPUT_CHANNEL, TRANSPOSE_FILTER, DEPTHWISE, ROW, ELEMENT, SINGLE)
+    r.name: r for r in (OUTPUT_CHANNEL, TRANSPOSE_FILTER, DEPTHWISE, ROW, ELEMENT, SINGLE,
+                        OUTPUT_UNIT_2D)
 }
 
 _NORM_VARS = {"gamma": ELEMENT, "beta": ELEMENT, "scale": ELEMENT, "offset": ELEMENT}
@@ -219,6 +222,8 @@ def rule_for(path: str, shape: Sequence[int], layer: Any = None,
     if any(d is None or int(d) < 0 for d in shape):
         raise ValueError(f"shape of {path!r} must be fully defined, got {shape}")
     shape = tuple(int(d) for d in shape)
+    if 0 in shape:
+        raise ValueError(f"variable {path!r} has no elements (shape {shape}); nothing to split")
     for pattern, rule in (overrides or {}).items():
         if re.search(pattern, path):
             return BlockLayout(path, shape, _as_rule(rule, "overrides"), None)
@@ -230,7 +235,10 @@ def rule_for(path: str, shape: Sequence[int], layer: Any = None,
     for cls in classes:
         table = LAYER_RULES.get(cls)
         if table and var_name in table:
-            return BlockLayout(path, shape, table[var_name], cls)
+            rule = table[var_name]
+            if cls == "EinsumDense" and var_name == "kernel":
+                rule = _einsum_kernel_rule(getattr(layer, "equation", None), len(shape)) or rule
+            return BlockLayout(path, shape, rule, cls)
     if var_name in PATH_RULES:
         return BlockLayout(path, shape, PATH_RULES[var_name], None)
     if len(shape) <= 1:
@@ -238,6 +246,28 @@ def rule_for(path: str, shape: Sequence[int], layer: Any = None,
     logger.warning("tf_blocksparse: no block rule for %r (shape %s, layer %s); using the "
                    "single-block fallback", path, shape, classes[0] if classes else "unknown")
     return BlockLayout(path, shape, SINGLE, None)
+
+
+def _einsum_kernel_rule(equation: str | None, rank: int) -> BlockRule | None:
+    """EinsumDense: blocks are the kernel's trailing axes that appear in the output.
+
+    ``"abc,cde->abde"`` has kernel ``cde`` with output axes ``de``: one block per (d, e)
+    unit.  Returns ``None`` when the equation is unknown or its output axes are not trailing.
+    """
+    if not equation or "->" not in equation or "," not in equation:
+        return None
+    inputs, output = equation.split("->")
+    kernel = inputs.split(",")[1].strip()
+    if len(kernel) != rank:
+        return None
+    trailing = 0
+    for axis in reversed(kernel):
+        if axis not in output:
+            break
+        trailing += 1
+    if any(a in output for a in kernel[: rank - trailing]):
+        return None
+    return {1: OUTPUT_CHANNEL, 2: OUTPUT_UNIT_2D}.get(trailing)
 
 
 def _as_rule(rule: str | BlockRule, argument: str) -> BlockRule:

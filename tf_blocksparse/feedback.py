@@ -100,7 +100,8 @@ class BlockTopK:
         accs = tuple(g + r for g, r in zip(grads, state))
         scores = tuple(selection.block_scores(a, lay, self.metric)
                        for a, lay in zip(accs, self.layouts))
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in scores])
+        finite = tf.reduce_all(tf.math.is_finite(tf.concat(scores, axis=0))) if scores \
+            else tf.constant(True)
         return Prepared(accs, scores, finite)
 
     def select(self, scores: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:
@@ -116,9 +117,10 @@ class BlockTopK:
         """
         values, residuals = [], []
         for acc, lay, i in zip(prepared.accs, self.layouts, ids):
-            v = selection.gather_blocks(acc, lay, i)
+            flat = selection.block_flat_indices(i, lay)
+            v = selection.gather_blocks(acc, lay, i, flat)
             with tf.control_dependencies([v]):  # lets the scatter reuse acc's buffer
-                residuals.append(selection.zero_blocks(acc, lay, i))
+                residuals.append(selection.zero_blocks(acc, lay, i, flat))
             values.append(v)
         return Payload(tuple(ids), tuple(values)), tuple(residuals)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from tf_blocksparse.blocks import BlockLayout
@@ -41,25 +42,32 @@ def view(x: tf.Tensor, layout: BlockLayout) -> tf.Tensor:
 
 
 def block_scores(x: tf.Tensor, layout: BlockLayout, metric: str = "l1") -> tf.Tensor:
-    """Scores every block of ``x`` [*shape] by its L1 or L2 norm.
+    """Scores every block of ``x`` [*shape] by its L1 or L2 norm, in one pass.
+
+    Filter / unit blocks (``inner == 1``) are columns of an ``[outer, num_blocks]`` view;
+    their L1 norms are a ones-vector product (a GEMV, faster on CPU than a column reduction),
+    their L2 norms one fused ``EuclideanNorm``.  Row blocks reduce along rows; element blocks
+    are their own absolute values.
 
     Returns:
-      [num_blocks] scores, float32 (computed in float32 for half-precision inputs).
+      [num_blocks] scores, float32 for half-precision inputs, else ``x.dtype``.
     """
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     outer, nb, inner = layout.view_shape
-    if x.dtype != tf.float32 and x.dtype.is_floating and x.dtype.size < 4:
+    if x.dtype.is_floating and x.dtype.size < 4:
         x = tf.cast(x, tf.float32)
+    if outer == 1 and inner == 1:
+        return tf.abs(tf.reshape(x, (nb,)))
     if inner == 1:
-        v, axis = tf.reshape(x, (outer, nb)), 0
-    elif outer == 1:
-        v, axis = tf.reshape(x, (nb, inner)), 1
-    else:
-        v, axis = tf.reshape(x, (outer, nb, inner)), (0, 2)
+        v = tf.reshape(x, (outer, nb))
+        if metric == "l1":
+            return tf.reshape(tf.matmul(tf.ones((1, outer), x.dtype), tf.abs(v)), (nb,))
+        return tf.math.reduce_euclidean_norm(v, axis=0)
+    v, axis = (tf.reshape(x, (nb, inner)), 1) if outer == 1 else (view(x, layout), (0, 2))
     if metric == "l1":
         return tf.reduce_sum(tf.abs(v), axis=axis)
-    if metric == "l2":
-        return tf.math.reduce_euclidean_norm(v, axis=axis)
-    raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    return tf.math.reduce_euclidean_norm(v, axis=axis)
 
 
 def top_blocks(scores: tf.Tensor, k: int) -> tf.Tensor:
@@ -77,20 +85,48 @@ def top_blocks(scores: tf.Tensor, k: int) -> tf.Tensor:
     return tf.math.top_k(scores, k=k, sorted=False).indices
 
 
-def gather_blocks(x: tf.Tensor, layout: BlockLayout, ids: tf.Tensor) -> tf.Tensor:
+def _block_offsets(layout: BlockLayout) -> np.ndarray:
+    """Flat offsets of block 0's elements, in C order of (outer, inner) [outer * inner]."""
+    _, nb, inner = layout.view_shape
+    o = np.arange(layout.outer, dtype=np.int64)[:, None] * (nb * inner)
+    return (o + np.arange(inner, dtype=np.int64)[None, :]).reshape(-1)
+
+
+def block_flat_indices(ids: tf.Tensor, layout: BlockLayout) -> tf.Tensor:
+    """Flat indices into ``x`` [*shape] of every element of the blocks ``ids`` [k].
+
+    Block ``b``'s elements sit at ``offsets + b * inner`` where ``offsets`` (a graph constant)
+    are block 0's; no index grid is built at run time.
+
+    Returns:
+      [k, block_size] int32 (int64 for tensors of 2**31 elements or more).
+    """
+    dtype = tf.int64 if layout.size >= 2**31 else tf.int32
+    ids = tf.cast(ids, dtype)
+    if layout.block_size == 1:
+        return ids[:, None]
+    offsets = tf.constant(_block_offsets(layout), dtype)
+    return ids[:, None] * layout.inner + offsets[None, :]
+
+
+def gather_blocks(x: tf.Tensor, layout: BlockLayout, ids: tf.Tensor,
+                  flat_indices: tf.Tensor | None = None) -> tf.Tensor:
     """Gathers the selected blocks of ``x`` [*shape] as contiguous rows.
+
+    Args:
+      x: The tensor.
+      layout: Its layout.
+      ids: [k] int32 block ids.
+      flat_indices: Optionally, ``block_flat_indices(ids, layout)`` already computed.
 
     Returns:
       [k, block_size] values; row i is block ``ids[i]`` in C order of ``(outer, inner)``.
     """
-    outer, nb, inner = layout.view_shape
-    k = ids.shape[0]
-    if outer == 1:
-        return tf.gather(tf.reshape(x, (nb, inner)), ids)
-    if inner == 1:
-        return tf.transpose(tf.gather(tf.reshape(x, (outer, nb)), ids, axis=1))
-    g = tf.gather(tf.reshape(x, (outer, nb, inner)), ids, axis=1)
-    return tf.reshape(tf.transpose(g, (1, 0, 2)), (k, outer * inner))
+    if layout.outer == 1:  # rows are already contiguous
+        return tf.gather(tf.reshape(x, (layout.num_blocks, layout.inner)), ids)
+    if flat_indices is None:
+        flat_indices = block_flat_indices(ids, layout)
+    return tf.gather(tf.reshape(x, (-1,)), flat_indices)
 
 
 def scatter_blocks(values: tf.Tensor, ids: tf.Tensor, layout: BlockLayout) -> tf.Tensor:
@@ -111,31 +147,21 @@ def scatter_blocks(values: tf.Tensor, ids: tf.Tensor, layout: BlockLayout) -> tf
     return tf.reshape(dense, layout.shape)
 
 
-def block_element_indices(ids: tf.Tensor, layout: BlockLayout) -> tf.Tensor:
-    """Indices into the view [outer, num_blocks, inner] of every element of the given blocks.
-
-    Returns:
-      [k * outer * inner, 3] int32 indices, usable with ``tensor_scatter_nd_update`` on the
-      view (to zero or restore the selected blocks without touching the rest).
-    """
-    outer, _, inner = layout.view_shape
-    k = ids.shape[0]
-    o = tf.range(outer, dtype=tf.int32)[:, None, None] + tf.zeros((1, k, inner), tf.int32)
-    b = ids[None, :, None] + tf.zeros((outer, 1, inner), tf.int32)
-    i = tf.range(inner, dtype=tf.int32)[None, None, :] + tf.zeros((outer, k, 1), tf.int32)
-    return tf.reshape(tf.stack([o, b, i], axis=-1), (-1, 3))
-
-
-def zero_blocks(x: tf.Tensor, layout: BlockLayout, ids: tf.Tensor) -> tf.Tensor:
+def zero_blocks(x: tf.Tensor, layout: BlockLayout, ids: tf.Tensor,
+                flat_indices: tf.Tensor | None = None) -> tf.Tensor:
     """Returns ``x`` [*shape] with the blocks ``ids`` [k] set to zero (others bit-exact).
 
-    Few blocks are zeroed with an in-place-capable scatter of ``k * block_size`` entries;
-    when more than a quarter of the blocks are selected a broadcast ``where`` is cheaper.
+    Few blocks are zeroed by a scatter of ``k * block_size`` entries, which reuses ``x``'s
+    buffer when nothing else holds it; past a quarter of the blocks a broadcast ``where`` is
+    cheaper.  ``flat_indices`` may pass :func:`block_flat_indices` already computed.
     """
     if 4 * ids.shape[0] > layout.num_blocks:
         hit = tf.math.unsorted_segment_max(tf.ones_like(ids), ids, layout.num_blocks) > 0
         keep = tf.reshape(tf.logical_not(hit), (1, layout.num_blocks, 1))
         return tf.reshape(tf.where(keep, view(x, layout), tf.zeros((), x.dtype)), layout.shape)
-    idx = block_element_indices(ids, layout)
+    if flat_indices is None:
+        flat_indices = block_flat_indices(ids, layout)
+    idx = tf.reshape(flat_indices, (-1, 1))
     zeros = tf.zeros((idx.shape[0],), x.dtype)
-    return tf.reshape(tf.tensor_scatter_nd_update(view(x, layout), idx, zeros), layout.shape)
+    return tf.reshape(tf.tensor_scatter_nd_update(tf.reshape(x, (-1,)), idx, zeros),
+                      layout.shape)
