@@ -247,3 +247,19 @@ def test_optimizer_finds_layer_classes_of_renamed_layers():
     assert (dw.rule.name, dw.num_blocks, dw.block_size) == ("depthwise_channel", 10, 9)
     assert by_path["head/kernel"].num_blocks == 4
     assert all(lay.layer_class for lay in opt.layouts)
+
+
+def test_element_granularity_is_elementwise_topk(mirrored2):
+    model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), density=0.05, granularity="element"),
+        epochs=1)
+    m = opt.block_sparse_metrics()
+    # ceil(5% of each variable's elements): 54 -> 3, 6 -> 1, 864 -> 44, 4 -> 1; int32 id each.
+    kept = 3 + 1 + 44 + 1
+    assert m["blocks_kept"] == kept
+    assert m["payload_bytes"] == 4 * (kept + 1) + 4 * kept
+    for r in opt.residuals:  # exactly `kept` entries were zeroed per replica
+        for t in r.value.values:
+            assert np.count_nonzero(t.numpy() == 0) >= 1
+    with pytest.raises(ValueError, match="`granularity`"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(), granularity="row")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tf_blocksparse import selection
-from tf_blocksparse.blocks import BlockLayout
+from tf_blocksparse.blocks import ELEMENT, BlockLayout
 
 
 def validate_k_density(k: int | None, density: float | None) -> tuple[int | None, float | None]:
@@ -143,3 +143,17 @@ class BlockTopK:
             if tuple(t.shape) != lay.shape:
                 raise ValueError(f"`{name}`: tensor for {lay.path!r} has shape "
                                  f"{tuple(t.shape)}, expected {lay.shape}")
+
+
+class ElementTopK(BlockTopK):
+    """Element-wise top-k with error feedback (the DGC / GRACE baseline), same interface.
+
+    Every element is its own block, so the score is ``|x|``, selection is ``top_k`` over the
+    whole flattened variable, and every sent value carries its own int32 index.  Use
+    ``density`` (``k`` then counts elements per variable).
+    """
+
+    def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
+                 density: float | None = None, metric: str = "l1"):
+        super().__init__([dataclasses.replace(lay, rule=ELEMENT) for lay in layouts],
+                         k, density, metric)

@@ -32,9 +32,10 @@ import tensorflow as tf
 
 from tf_blocksparse import blocks, selection
 from tf_blocksparse import exchange as exchange_lib
-from tf_blocksparse.feedback import BlockTopK, validate_k_density
+from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
 
 NONFINITE = ("skip", "apply")
+GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
 STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps")
 
 
@@ -83,6 +84,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
       model: Optional Keras model whose layers own the variables.  Without it the owning
         layers are found among the live Keras layers at build time; either way every
         variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
+      granularity: ``"block"`` (default) or ``"element"``: element-wise top-k with error
+        feedback, the DGC/GRACE baseline (use with ``density``).
       name: Optimizer name.
     """
 
@@ -90,7 +93,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  density: float | None = None, metric: str = "l1",
                  exchange: str = "allgather", nonfinite: str = "skip",
                  block_rules: Mapping[str, str] | None = None, model: Any = None,
-                 name: str | None = None, **kwargs: Any):
+                 granularity: str = "block", name: str | None = None, **kwargs: Any):
         if not isinstance(inner, keras.optimizers.Optimizer):
             raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
@@ -104,6 +107,9 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         if exchange not in exchange_lib.EXCHANGES:
             raise ValueError(f"`exchange` must be one of {exchange_lib.EXCHANGES}, "
                              f"got {exchange!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"`granularity` must be one of {sorted(GRANULARITIES)}, "
+                             f"got {granularity!r}")
         if nonfinite not in NONFINITE:
             raise ValueError(f"`nonfinite` must be one of {NONFINITE}, got {nonfinite!r}")
         for rule in (block_rules or {}).values():
@@ -118,6 +124,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self.metric = metric
         self.exchange = exchange
         self.nonfinite = nonfinite
+        self.granularity = granularity
         self.block_rules = dict(block_rules or {})
         self._model = model
         inner._all_reduce_sum_gradients = _no_all_reduce
@@ -197,7 +204,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         if self.exchange == "dense":
             result = exchange_lib.run_exchange("dense", ctx, None, grads, None)
         else:
-            comp = BlockTopK([self.layouts[i] for i in idx], self.k, self.density, self.metric)
+            comp = GRANULARITIES[self.granularity](
+                [self.layouts[i] for i in idx], self.k, self.density, self.metric)
             residuals = [self._residuals[i] for i in idx]
             state = [tf.convert_to_tensor(r.value) for r in residuals]
             result = exchange_lib.run_exchange(self.exchange, ctx, comp, grads, state)
@@ -265,7 +273,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             "inner": keras.saving.serialize_keras_object(self.inner_optimizer),
             "k": self.k if self.density is None else None, "density": self.density,
             "metric": self.metric, "exchange": self.exchange, "nonfinite": self.nonfinite,
-            "block_rules": dict(self.block_rules),
+            "block_rules": dict(self.block_rules), "granularity": self.granularity,
         }
 
     @classmethod
