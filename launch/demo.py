@@ -1,98 +1,112 @@
-"""Single-host demo: dense vs block-sparse exchange on real data, 2 replicas.
+"""The main job: two local workers under MultiWorkerMirroredStrategy, dense vs block-sparse.
 
-MirroredStrategy over two logical CPU devices, Fashion-MNIST from Debian's
-``dataset-fashion-mnist`` (scikit-learn's digits when it is absent), the same CNN, seed and
-batches for every method.  Prints a table of test accuracy, bytes handed to the collectives
-per step per replica, compression ratio and wall time, and writes it as JSON.
+Each method is a real 2-process cluster on loopback (``launch/local_cluster.py`` running
+``launch/train.py --strategy=multiworker``) on real data: Fashion-MNIST from Debian's
+``dataset-fashion-mnist`` (scikit-learn's digits when absent, said so).  Prints a table (test
+accuracy, bytes each worker hands to the collectives per step, compression ratio, wall
+time), writes ``OUT/results.json`` and ``OUT/accuracy_vs_bytes.png``.
 
-    python launch/demo.py [--epochs=2] [--train_samples=20000] [--out=runs/demo.json]
+    python launch/demo.py [--epochs=3] [--train_samples=20000] [--out=runs/demo]
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
+import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags
 
-import tensorflow as tf  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_CPUS = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(_CPUS[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-
-import keras  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-import tf_blocksparse as tfbs  # noqa: E402
 from launch import data  # noqa: E402
-from models.cnn import cnn_small  # noqa: E402
+from launch.local_cluster import run_local_cluster  # noqa: E402
 
 FLAGS = flags.FLAGS
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 METHODS = {
-    "dense": {"exchange": "dense"},
-    "block k=1 (allgather)": {"k": 1, "exchange": "allgather"},
-    "block 5% (shared)": {"density": 0.05, "exchange": "shared"},
+    "dense": ["--compression=dense"],
+    "block k=1": ["--compression=block", "--k=1", "--exchange=allgather"],
+    "block 5%": ["--compression=block", "--density=0.05", "--exchange=allgather"],
 }
 
 
 def define_flags() -> None:
-    flags.DEFINE_integer("epochs", 2, "Epochs per method.")
-    flags.DEFINE_integer("train_samples", 20000, "Training subset size (0 = all).")
-    flags.DEFINE_integer("batch_size", 64, "Global batch size.")
-    flags.DEFINE_float("lr", 0.05, "SGD learning rate.")
-    flags.DEFINE_float("momentum", 0.9, "SGD (global) momentum.")
-    flags.DEFINE_string("data_dir", "/usr/share/datasets/fashion-mnist", "IDX files.")
-    flags.DEFINE_string("out", "runs/demo.json", "Where to write the results JSON.")
+    flags.DEFINE_integer("epochs", 3, "Epochs per method.")
+    flags.DEFINE_integer("train_samples", 20000, "Training subset (0 = all 60000).")
+    flags.DEFINE_integer("test_samples", 5000, "Test subset for the per-epoch curve.")
+    flags.DEFINE_integer("num_workers", 2, "Worker processes.")
+    flags.DEFINE_string("model", "cnn_small", "Model (see launch/train.py --model).")
+    flags.DEFINE_string("out", "runs/demo", "Output directory.")
+    flags.DEFINE_list("methods", list(METHODS), "Which of the methods to run.")
 
 
-def run_method(strategy, name, kwargs, train, test) -> dict:
-    (x, y), (xt, yt) = train, test
-    with strategy.scope():
-        model = cnn_small(x.shape[1:], 10, seed=0)
-        opt = tfbs.BlockSparseOptimizer(
-            keras.optimizers.SGD(FLAGS.lr, momentum=FLAGS.momentum), **kwargs)
-        model.compile(optimizer=opt, metrics=["accuracy"],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    t0 = time.perf_counter()
-    hist = model.fit(x, y, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, verbose=2,
-                     shuffle=True, callbacks=[tfbs.BlockSparseMetrics()])
-    wall = time.perf_counter() - t0
-    loss, acc = model.evaluate(xt, yt, batch_size=512, verbose=0)
-    m = opt.block_sparse_metrics()
-    return {"method": name, "test_accuracy": round(float(acc), 4),
-            "test_loss": round(float(loss), 4), "payload_bytes_per_step": int(m["payload_bytes"]),
-            "dense_bytes_per_step": int(m["dense_bytes"]),
-            "compression": round(m["dense_bytes"] / m["payload_bytes"], 1),
-            "wall_s": round(wall, 1), "final_train_loss": round(hist.history["loss"][-1], 4)}
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        xs = [0.0] + [r["payload_bytes_per_step"] * r["steps_per_epoch"] * (e + 1) / 2**20
+                      for e in range(len(r["val_accuracy"]))]
+        ax.plot(xs, [0.1] + r["val_accuracy"], marker="o", label=r["method"])
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlabel("cumulative MiB sent per worker")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"{rows[0]['dataset']}, {rows[0]['num_workers']} workers (MWMS)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str]) -> None:
     del argv
-    if data.fashion_mnist_available(FLAGS.data_dir):
-        name, (train, test) = "fashion_mnist", data.load_fashion_mnist(FLAGS.data_dir)
-    else:
-        print(f"NOTE: {FLAGS.data_dir} not found (apt-get install dataset-fashion-mnist); "
-              "using scikit-learn's digits instead")
-        name, (train, test) = "digits", data.load_digits()
-    if FLAGS.train_samples:
-        train = (train[0][:FLAGS.train_samples], train[1][:FLAGS.train_samples])
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    print(f"dataset={name} train={len(train[0])} test={len(test[0])} "
-          f"replicas={strategy.num_replicas_in_sync} epochs={FLAGS.epochs}")
-    rows = [run_method(strategy, n, kw, train, test) for n, kw in METHODS.items()]
-    header = (f"{'method':24} {'test_acc':>8} {'bytes/step':>11} {'dense':>9} {'ratio':>7} "
-              f"{'wall_s':>7}")
+    dataset = "fashion_mnist" if data.fashion_mnist_available() else "digits"
+    if dataset == "digits":
+        print("NOTE: /usr/share/datasets/fashion-mnist not found (apt-get install "
+              "dataset-fashion-mnist); using scikit-learn's digits instead")
+    os.makedirs(FLAGS.out, exist_ok=True)
+    rows = []
+    for name in FLAGS.methods:
+        if name not in METHODS:
+            raise app.UsageError(f"--methods: unknown method {name!r}; one of {list(METHODS)}")
+        run_dir = os.path.join(FLAGS.out, name.replace(" ", "_").replace("%", "pct")
+                               .replace("=", ""))
+        cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
+               "--strategy=multiworker", f"--dataset={dataset}", f"--model={FLAGS.model}",
+               f"--epochs={FLAGS.epochs}", f"--train_samples={FLAGS.train_samples}",
+               f"--test_samples={FLAGS.test_samples}", f"--model_dir={run_dir}",
+               "--batch_size=64", "--lr=0.05", "--momentum=0.9", *METHODS[name]]
+        print(f"=== {name}: {' '.join(cmd[1:])}", flush=True)
+        rc = run_local_cluster(cmd, FLAGS.num_workers,
+                               env={"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        if rc != 0:
+            raise SystemExit(f"{name}: the cluster failed with exit code {rc}")
+        with open(os.path.join(run_dir, "metrics.json")) as f:
+            m = json.load(f)
+        rows.append({"method": name, "dataset": m["dataset"], "num_workers": m["num_workers"],
+                     "test_accuracy": m["test_accuracy"], "wall_s": m["wall_s"],
+                     "payload_bytes_per_step": m["payload_bytes_per_step"],
+                     "dense_bytes_per_step": m["dense_bytes_per_step"],
+                     "compression_ratio": round(m["compression_ratio"], 1),
+                     "steps_per_epoch": m["steps_per_epoch"],
+                     "val_accuracy": m["history"].get("val_accuracy", [])})
+    header = (f"{'method':12} {'test_acc':>8} {'bytes/step':>11} {'dense bytes':>11} "
+              f"{'ratio':>7} {'wall_s':>7}")
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r['method']:24} {r['test_accuracy']:8.4f} {r['payload_bytes_per_step']:11d} "
-              f"{r['dense_bytes_per_step']:9d} {r['compression']:6.1f}x {r['wall_s']:7.1f}")
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out, "w") as f:
-        json.dump({"dataset": name, "epochs": FLAGS.epochs, "train_samples": len(train[0]),
-                   "replicas": strategy.num_replicas_in_sync, "results": rows}, f, indent=1)
-    print(f"\nwrote {FLAGS.out}")
+        print(f"{r['method']:12} {r['test_accuracy']:8.4f} {r['payload_bytes_per_step']:11d} "
+              f"{r['dense_bytes_per_step']:11d} {r['compression_ratio']:6.1f}x "
+              f"{r['wall_s']:7.1f}")
+    with open(os.path.join(FLAGS.out, "results.json"), "w") as f:
+        json.dump({"epochs": FLAGS.epochs, "train_samples": FLAGS.train_samples,
+                   "results": rows}, f, indent=1)
+    _plot(rows, os.path.join(FLAGS.out, "accuracy_vs_bytes.png"))
+    print(f"\nwrote {FLAGS.out}/results.json and {FLAGS.out}/accuracy_vs_bytes.png")
 
 
 if __name__ == "__main__":

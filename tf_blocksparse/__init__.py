@@ -9,12 +9,13 @@ Core (no adapters imported by it): :mod:`~tf_blocksparse.blocks` (block-rule tab
 from tf_blocksparse.blocks import BlockLayout, BlockRule, block_table, format_block_table
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, Payload
+from tf_blocksparse.keras.backup import BackupAndRestore
 from tf_blocksparse.keras.callbacks import BlockSparseMetrics
 from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 
 __all__ = [
-    "BlockLayout", "BlockRule", "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK",
-    "ElementTopK",
-    "MultiWorkerMirroredStrategy", "Payload", "block_table", "format_block_table",
+    "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseMetrics",
+    "BlockSparseOptimizer", "BlockTopK", "ElementTopK", "MultiWorkerMirroredStrategy",
+    "Payload", "block_table", "format_block_table",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,185 @@
+"""Train a model from ``models/`` with dense, block-sparse or element top-k exchange.
+
+    python launch/train.py --model=cnn_small --dataset=digits --strategy=mirrored
+    python launch/local_cluster.py --num_workers=2 -- python launch/train.py \\
+        --strategy=multiworker --dataset=digits --model=cnn_small --compression=block --k=1 \\
+        --epochs=2 --model_dir=/tmp/run
+
+Under ``--strategy=multiworker`` the cluster comes from ``TF_CONFIG`` (or SLURM's
+environment), as for any TF job.  The chief prints progress and writes
+``MODEL_DIR/metrics.json``; every worker backs up to ``MODEL_DIR/backup`` (resumed on restart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from launch.flags import define_flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def make_strategy(name: str, num_devices: int):
+    """The distribution strategy for ``--strategy``."""
+    import tensorflow as tf
+
+    import tf_blocksparse as tfbs
+
+    if name == "multiworker":
+        resolver = None
+        if "TF_CONFIG" not in os.environ and "SLURM_JOB_ID" in os.environ:
+            resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
+        return tfbs.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    if name == "mirrored":
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            return tf.distribute.MirroredStrategy([f"/gpu:{i}" for i in range(num_devices)])
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
+        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(num_devices)])
+    return tf.distribute.get_strategy()
+
+
+def worker_info(strategy) -> tuple[int, int, bool]:
+    """``(num_workers, worker_index, is_chief)`` of this process."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return 1, 0, True
+    spec = resolver.cluster_spec().as_dict()
+    workers = len(spec.get("worker", [])) + len(spec.get("chief", []))
+    index = int(resolver.task_id or 0) + (1 if "chief" in spec and
+                                         resolver.task_type == "worker" else 0)
+    return workers, index, index == 0
+
+
+def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
+                   exchange: str, lr: float, momentum: float):
+    """SGD(momentum) inside the wrapper that ``--compression`` asks for."""
+    import keras
+
+    import tf_blocksparse as tfbs
+
+    inner = keras.optimizers.SGD(lr, momentum=momentum)
+    if compression == "dense":
+        return tfbs.BlockSparseOptimizer(inner, exchange="dense")
+    if compression == "topk":
+        return tfbs.BlockSparseOptimizer(inner, k=k, density=density if k else density or 0.01,
+                                         metric=metric, exchange=exchange,
+                                         granularity="element")
+    return tfbs.BlockSparseOptimizer(inner, k=k, density=density, metric=metric,
+                                     exchange=exchange)
+
+
+class _FailAt:
+    """Fault injection: ``os._exit(17)`` after ``step`` training steps on one worker."""
+
+    def __new__(cls, step: int):
+        import keras
+
+        class Fail(keras.callbacks.Callback):
+            def __init__(self) -> None:
+                super().__init__()
+                self.seen = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.seen += 1
+                if self.seen >= step:
+                    print(f"fault injection: exiting after {self.seen} steps", flush=True)
+                    os._exit(17)
+
+        return Fail()
+
+
+def run(argv_flags=FLAGS) -> dict:
+    """Trains as the flags say; returns the metrics record (the chief also writes it)."""
+    import keras
+    import tensorflow as tf
+
+    import tf_blocksparse as tfbs
+    from launch import pipeline
+    from models import registry
+
+    f = argv_flags
+    strategy = make_strategy(f.strategy, f.num_devices)
+    num_workers, index, chief = worker_info(strategy)
+    arrays = pipeline.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
+                                  f.synthetic_shape, f.train_samples, f.seed, f.test_samples)
+    train_ds, steps = pipeline.train_dataset(arrays, f.batch_size, num_workers, index, f.seed)
+    if f.steps_per_epoch:
+        steps = min(steps, f.steps_per_epoch)
+    sequence = registry.is_sequence_model(f.model)
+    with strategy.scope():
+        model = registry.build_model(f.model, arrays.input_shape, arrays.num_classes, seed=f.seed)
+        opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, f.lr,
+                             f.momentum)
+        if sequence:
+            from models import nmt
+            loss, metrics = nmt.masked_sparse_ce, [nmt.token_accuracy]
+        else:
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            metrics = ["accuracy"]
+        model.compile(optimizer=opt, loss=loss, metrics=metrics)
+    callbacks = [tfbs.BlockSparseMetrics(
+        log_dir=os.path.join(f.model_dir, "logs") if f.model_dir else None)]
+    if f.model_dir:
+        callbacks.append(tfbs.BackupAndRestore(os.path.join(f.model_dir, "backup"),
+                                               save_freq=f.save_freq or "epoch"))
+        if chief:
+            callbacks.append(keras.callbacks.TensorBoard(os.path.join(f.model_dir, "logs"),
+                                                         update_freq="epoch"))
+    if f.fail_at_step >= 0 and index == f.fail_worker:
+        callbacks.append(_FailAt(f.fail_at_step))
+    test_ds = pipeline.test_dataset(arrays, 256)
+    t0 = time.perf_counter()
+    hist = model.fit(train_ds, epochs=f.epochs, steps_per_epoch=steps, callbacks=callbacks,
+                     validation_data=test_ds if f.validate else None,
+                     verbose=2 if chief else 0)
+    wall = time.perf_counter() - t0
+    results = model.evaluate(test_ds, verbose=0, return_dict=True)
+    acc_key = "token_accuracy" if sequence else "accuracy"
+    m = opt.block_sparse_metrics()
+    record = {
+        "test_accuracy": float(results[acc_key]), "test_loss": float(results["loss"]),
+        "epochs": f.epochs, "initial_epoch": int(getattr(model, "_initial_epoch", 0) or 0),
+        "steps": int(opt.iterations.numpy()), "steps_per_epoch": steps,
+        "wall_s": round(wall, 2), "payload_bytes_per_step": int(m["payload_bytes"]),
+        "dense_bytes_per_step": int(m["dense_bytes"]),
+        "compression_ratio": m["dense_bytes"] / m["payload_bytes"] if m["payload_bytes"] else 0,
+        "skipped_steps": int(m["skipped_steps"]), "num_workers": num_workers,
+        "replicas": strategy.num_replicas_in_sync, "dataset": arrays.name,
+        "history": {k: [float(v) for v in vals] for k, vals in hist.history.items()},
+        "flags": {name: f[name].value for name in _FLAG_NAMES},
+        "tensorflow": tf.__version__,
+    }
+    if chief and f.model_dir:
+        os.makedirs(f.model_dir, exist_ok=True)
+        with open(os.path.join(f.model_dir, "metrics.json"), "w") as fh:
+            json.dump(record, fh, indent=1)
+    if chief:
+        print(json.dumps({k: v for k, v in record.items() if k not in ("history", "flags")}))
+    return record
+
+
+_FLAG_NAMES: list[str] = []
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    run()
+
+
+if __name__ == "__main__":
+    before = set(FLAGS)
+    define_flags()
+    _FLAG_NAMES.extend(sorted(set(FLAGS) - before))
+    app.run(main)

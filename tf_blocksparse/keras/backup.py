@@ -1,0 +1,59 @@
+"""``BackupAndRestore`` that is safe with several worker processes.
+
+Keras' callback makes every worker write the same files.  Saving must still run on every
+worker (reading per-replica residuals is a collective), so here the chief writes to
+``backup_dir`` and other workers to a private ``backup_dir/.worker_<i>`` that is removed
+again; every worker restores from the chief's files.  Restored residuals: a checkpoint
+holds their sum over replicas, and on load each replica gets ``sum / N``, so the total error
+feedback carried into the resumed run is the one that was saved.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import keras
+import tensorflow as tf
+
+
+def _worker() -> tuple[bool, int]:
+    strategy = tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True, 0
+    task_type, task_id = resolver.task_type, int(resolver.task_id or 0)
+    has_chief = "chief" in resolver.cluster_spec().as_dict()
+    chief = task_type == "chief" or (not has_chief and task_type == "worker" and task_id == 0)
+    return chief, task_id
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Keras ``BackupAndRestore`` with per-worker write directories (same arguments)."""
+
+    def __init__(self, backup_dir: str, save_freq: str | int = "epoch",
+                 double_checkpoint: bool = True, delete_checkpoint: bool = True):
+        super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint,
+                         delete_checkpoint=delete_checkpoint)
+        self._chief_dir = backup_dir
+        self._is_chief = True
+
+    def _use_dir(self, directory: str) -> None:
+        self.backup_dir = directory
+        self._weights_path = os.path.join(directory, "latest.weights.h5")
+        self._training_metadata_path = os.path.join(directory, "training_metadata.json")
+        self._prev_weights_path = f"{self._weights_path}.bkp"
+        self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._is_chief, task_id = _worker()
+        self._use_dir(self._chief_dir)  # everybody restores from the chief's files
+        super().on_train_begin(logs)
+        if not self._is_chief:
+            self._use_dir(os.path.join(self._chief_dir, f".worker_{task_id}"))
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if not self._is_chief:
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+            return
+        super().on_train_end(logs)
