@@ -142,7 +142,7 @@ def run(argv_flags=FLAGS) -> dict:
     t0 = time.perf_counter()
     hist = model.fit(train_ds, epochs=f.epochs, steps_per_epoch=steps, callbacks=callbacks,
                      validation_data=test_ds if f.validate else None,
-                     verbose=2 if chief else 0)
+                     shuffle=False, verbose=2 if chief else 0)
     wall = time.perf_counter() - t0
     results = model.evaluate(test_ds, verbose=0, return_dict=True)
     acc_key = "token_accuracy" if sequence else "accuracy"

@@ -2,7 +2,7 @@
 
 Keras' callback makes every worker write the same files.  Saving must still run on every
 worker (reading per-replica residuals is a collective), so here the chief writes to
-``backup_dir`` and other workers to a private ``backup_dir/.worker_<i>`` that is removed
+``backup_dir`` and other workers to a private ``<backup_dir>.worker_<i>`` that is removed
 again; every worker restores from the chief's files.  Restored residuals: a checkpoint
 holds their sum over replicas, and on load each replica gets ``sum / N``, so the total error
 feedback carried into the resumed run is the one that was saved.
@@ -17,8 +17,7 @@ import keras
 import tensorflow as tf
 
 
-def _worker() -> tuple[bool, int]:
-    strategy = tf.distribute.get_strategy()
+def _worker(strategy: tf.distribute.Strategy) -> tuple[bool, int]:
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or not resolver.cluster_spec().as_dict():
         return True, 0
@@ -46,11 +45,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._is_chief, task_id = _worker()
+        self._is_chief, task_id = _worker(
+            getattr(self.model, "distribute_strategy", None) or tf.distribute.get_strategy())
         self._use_dir(self._chief_dir)  # everybody restores from the chief's files
         super().on_train_begin(logs)
         if not self._is_chief:
-            self._use_dir(os.path.join(self._chief_dir, f".worker_{task_id}"))
+            self._use_dir(f"{self._chief_dir.rstrip('/')}.worker_{task_id}")
+
+    def _save_model(self) -> None:
+        os.makedirs(self.backup_dir, exist_ok=True)  # workers may race to create parents
+        super()._save_model()
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if not self._is_chief:

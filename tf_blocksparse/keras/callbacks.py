@@ -48,7 +48,8 @@ class BlockSparseMetrics(keras.callbacks.Callback):
         return find_block_sparse(getattr(self.model, "optimizer", None))
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        strategy = tf.distribute.get_strategy()
+        strategy = getattr(self.model, "distribute_strategy", None) or \
+            tf.distribute.get_strategy()
         chief = getattr(strategy.extended, "should_checkpoint", True)
         if self.log_dir and chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(f"{self.log_dir}/block_sparse")
