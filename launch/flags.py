@@ -7,62 +7,72 @@ from absl import flags
 MODELS = ["resnet20", "vgg_fc", "cnn_small", "gru_nmt"]
 
 
-def define_flags() -> None:
-    """Defines the training flags on ``absl.flags.FLAGS`` (call once, before ``app.run``)."""
-    flags.DEFINE_enum("model", "cnn_small", MODELS, "Model from models/.")
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines the training flags (call once, before ``app.run``).
+
+    Args:
+      flag_values: Where to define them; absl's global ``FLAGS`` by default.
+    """
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_enum("model", "cnn_small", MODELS, "Model from models/.", **fv)
     flags.DEFINE_string(
         "dataset", "fashion_mnist",
         "fashion_mnist (Debian's IDX files under --data_dir), digits (scikit-learn, always "
         "offline), tfds:NAME (a TFDS data set already in --tfds_data_dir), synthetic (random "
         "data of --synthetic_shape, for throughput) or toy_translation (for gru_nmt; chosen "
-        "automatically for that model).")
+        "automatically for that model).", **fv)
     flags.DEFINE_string("data_dir", "/usr/share/datasets/fashion-mnist",
-                        "Directory of the Fashion-MNIST IDX files.")
-    flags.DEFINE_string("tfds_data_dir", None, "TFDS data dir for tfds:NAME (no download).")
-    flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "Image shape for --dataset=synthetic.")
-    flags.DEFINE_integer("train_samples", 0, "Use only the first N training samples (0 = all).")
-    flags.DEFINE_integer("test_samples", 0, "Use only the first N test samples (0 = all).")
+                        "Directory of the Fashion-MNIST IDX files.", **fv)
+    flags.DEFINE_string("tfds_data_dir", None, "TFDS data dir for tfds:NAME (no download).",
+                        **fv)
+    flags.DEFINE_list("synthetic_shape", ["32", "32", "3"],
+                      "Image shape for --dataset=synthetic.", **fv)
+    flags.DEFINE_integer("train_samples", 0, "Use only the first N training samples (0 = all).",
+                         **fv)
+    flags.DEFINE_integer("test_samples", 0, "Use only the first N test samples (0 = all).", **fv)
     flags.DEFINE_boolean("validate", True, "Evaluate on the test set after every epoch "
-                         "(val_* curves in metrics.json and TensorBoard).")
+                         "(val_* curves in metrics.json and TensorBoard).", **fv)
     flags.DEFINE_enum("strategy", "none", ["none", "mirrored", "multiworker"],
                       "none: default strategy; mirrored: MirroredStrategy over --num_devices "
                       "local devices; multiworker: MultiWorkerMirroredStrategy from TF_CONFIG "
-                      "or SLURM's environment.")
+                      "or SLURM's environment.", **fv)
     flags.DEFINE_integer("num_devices", 2, "Local devices for --strategy=mirrored (logical "
-                         "CPUs are created when there are no GPUs).")
+                         "CPUs are created when there are no GPUs).", **fv)
     flags.DEFINE_enum("compression", "block", ["dense", "block", "topk"],
                       "dense: plain all-reduce; block: block-wise top-k with error feedback; "
-                      "topk: element-wise top-k with error feedback (DGC/GRACE baseline).")
-    flags.DEFINE_integer("k", None, "Blocks kept per variable per step (default 1).")
+                      "topk: element-wise top-k with error feedback (DGC/GRACE baseline).", **fv)
+    flags.DEFINE_integer("k", None, "Blocks kept per variable per step (default 1).", **fv)
     flags.DEFINE_float("density", None, "Fraction of blocks (elements for topk) kept per "
-                       "variable; exclusive with --k. topk defaults to 0.01.")
-    flags.DEFINE_enum("metric", "l1", ["l1", "l2"], "Block score.")
+                       "variable; exclusive with --k. topk defaults to 0.01.", **fv)
+    flags.DEFINE_enum("metric", "l1", ["l1", "l2"], "Block score.", **fv)
     flags.DEFINE_enum("exchange", "allgather", ["allgather", "shared"],
-                      "Sparse exchange mode (ignored for --compression=dense).")
-    flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1)
+                      "Sparse exchange mode (ignored for --compression=dense).", **fv)
+    flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1, **fv)
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0 = one pass over "
-                         "this worker's shard).", lower_bound=0)
+                         "this worker's shard).", lower_bound=0, **fv)
     flags.DEFINE_integer("batch_size", 64, "Global batch size (all workers together).",
-                         lower_bound=1)
-    flags.DEFINE_float("lr", 0.05, "Learning rate.")
+                         lower_bound=1, **fv)
+    flags.DEFINE_float("lr", 0.05, "Learning rate.", **fv)
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (global momentum: applied after the "
-                       "exchange).")
-    flags.DEFINE_integer("seed", 0, "Seed for model initialisation and data order.")
+                       "exchange).", **fv)
+    flags.DEFINE_integer("seed", 0, "Seed for model initialisation and data order.", **fv)
     flags.DEFINE_string("model_dir", None, "Checkpoints (backup/), TensorBoard logs (logs/) "
-                        "and metrics.json (written by the chief).")
+                        "and metrics.json (written by the chief).", **fv)
     flags.DEFINE_integer("save_freq", 0, "Back up every N steps (0 = every epoch); needs "
-                         "--model_dir.", lower_bound=0)
+                         "--model_dir.", lower_bound=0, **fv)
     flags.DEFINE_integer("fail_at_step", -1, "Fault injection for tests: worker "
-                         "--fail_worker exits with code 17 after this many steps.")
-    flags.DEFINE_integer("fail_worker", 1, "Worker index that --fail_at_step kills.")
+                         "--fail_worker exits with code 17 after this many steps.", **fv)
+    flags.DEFINE_integer("fail_worker", 1, "Worker index that --fail_at_step kills.", **fv)
+    flags.DEFINE_string("dump_restored", None, "For tests: after restoring a backup, each "
+                        "worker saves its local residuals to PATH.worker_<i>.npz.", **fv)
 
     flags.register_validator(
-        "density", lambda d: d is None or 0.0 < d <= 1.0, "--density must be in (0, 1]")
-    flags.register_validator("k", lambda k: k is None or k >= 1, "--k must be >= 1")
+        "density", lambda d: d is None or 0.0 < d <= 1.0, "--density must be in (0, 1]", **fv)
+    flags.register_validator("k", lambda k: k is None or k >= 1, "--k must be >= 1", **fv)
     flags.register_multi_flags_validator(
         ["k", "density"], lambda f: f["k"] is None or f["density"] is None,
-        "give at most one of --k and --density")
+        "give at most one of --k and --density", **fv)
     flags.register_validator(
         "dataset", lambda d: d in ("fashion_mnist", "digits", "synthetic", "toy_translation")
         or (d.startswith("tfds:") and len(d) > 5),
-        "--dataset must be fashion_mnist, digits, synthetic, toy_translation or tfds:NAME")
+        "--dataset must be fashion_mnist, digits, synthetic, toy_translation or tfds:NAME", **fv)

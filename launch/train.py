@@ -79,6 +79,22 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
                                      exchange=exchange)
 
 
+def _dump_restored(path: str, index: int):
+    """Callback saving this worker's local residuals once training (and restore) began."""
+    import keras
+    import numpy as np
+
+    class Dump(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            opt = self.model.optimizer
+            strategy = self.model.distribute_strategy
+            local = [strategy.experimental_local_results(r.value)[0].numpy()
+                     for r in opt.residuals]
+            np.savez(f"{path}.worker_{index}.npz", *local)
+
+    return Dump()
+
+
 class _FailAt:
     """Fault injection: ``os._exit(17)`` after ``step`` training steps on one worker."""
 
@@ -136,6 +152,8 @@ def run(argv_flags=FLAGS) -> dict:
         if chief:
             callbacks.append(keras.callbacks.TensorBoard(os.path.join(f.model_dir, "logs"),
                                                          update_freq="epoch"))
+    if f.dump_restored:
+        callbacks.append(_dump_restored(f.dump_restored, index))
     if f.fail_at_step >= 0 and index == f.fail_worker:
         callbacks.append(_FailAt(f.fail_at_step))
     test_ds = pipeline.test_dataset(arrays, 256)

@@ -263,3 +263,16 @@ def test_element_granularity_is_elementwise_topk(mirrored2):
             assert np.count_nonzero(t.numpy() == 0) >= 1
     with pytest.raises(ValueError, match="`granularity`"):
         tfbs.BlockSparseOptimizer(keras.optimizers.SGD(), granularity="row")
+
+
+def test_dense_on_rank3_input_gradient_with_unknown_static_shape():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((None, 6))
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(5)(inp)))
+    model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1),
+                  loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 4, 6)).astype("float32")
+    hist = model.fit(x, rng.standard_normal((32, 4, 3)).astype("float32"), epochs=2,
+                     batch_size=8, verbose=0)
+    assert np.isfinite(hist.history["loss"]).all()

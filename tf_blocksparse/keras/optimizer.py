@@ -61,10 +61,13 @@ def discover_owners(variables: Sequence[Any]) -> dict[int, Any]:
     return owners
 
 
-def _densify(g: Any) -> tf.Tensor:
+def _densify(g: Any, v: Any) -> tf.Tensor:
+    """Dense gradient with the variable's static shape (IndexedSlices are summed per row;
+    a gradient whose static shape TF lost, e.g. a Dense kernel on rank-3 input, gets it back).
+    """
     if isinstance(g, tf.IndexedSlices):
-        return tf.math.unsorted_segment_sum(g.values, g.indices, g.dense_shape[0])
-    return tf.convert_to_tensor(g)
+        g = tf.math.unsorted_segment_sum(g.values, g.indices, g.dense_shape[0])
+    return tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
 
 
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
@@ -195,7 +198,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context (inside "
                              "strategy.run or model.fit)")
-        pairs = [(_densify(g), v) for g, v in zip(grads, tvs) if g is not None]
+        pairs = [(_densify(g, v), v) for g, v in zip(grads, tvs) if g is not None]
         if not pairs:
             return
         grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]

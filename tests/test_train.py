@@ -1,0 +1,105 @@
+"""launch/train.py: flags, a real 2-worker cluster, failure, kill-and-resume."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+from absl import flags
+
+from launch.local_cluster import run_local_cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--strategy=multiworker",
+         "--dataset=digits", "--model=cnn_small", "--batch_size=64"]
+ENV = {"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+FIELDS = ("test_accuracy", "test_loss", "epochs", "steps", "wall_s", "payload_bytes_per_step",
+          "dense_bytes_per_step", "num_workers", "flags")
+
+
+def _flag_values(*args):
+    from launch.flags import define_flags
+
+    fv = flags.FlagValues()
+    define_flags(fv)
+    fv(["train.py", *args])
+    return fv
+
+
+def test_flags_parse_and_validate():
+    fv = _flag_values("--model=vgg_fc", "--compression=topk", "--density=0.01",
+                      "--exchange=shared", "--epochs=3")
+    assert (fv.model, fv.compression, fv.density, fv.exchange, fv.epochs) == (
+        "vgg_fc", "topk", 0.01, "shared", 3)
+    assert fv.data_dir == "/usr/share/datasets/fashion-mnist"
+    for bad in (["--k=1", "--density=0.5"], ["--density=1.5"], ["--k=0"], ["--dataset=mnist"],
+                ["--model=resnet50"], ["--strategy=tpu"], ["--dataset=tfds:"]):
+        with pytest.raises(flags.Error):
+            _flag_values(*bad)
+
+
+def test_helpfull_documents_every_flag():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"),
+                          "--helpfull"], capture_output=True, text=True, env=dict(
+                              os.environ, **ENV), timeout=120)
+    for name in ("--model", "--dataset", "--data_dir", "--strategy", "--compression", "--k",
+                 "--density", "--metric", "--exchange", "--epochs", "--steps_per_epoch",
+                 "--batch_size", "--lr", "--momentum", "--seed", "--model_dir"):
+        assert name in out.stdout, name
+
+
+def test_two_worker_cluster_trains_and_writes_metrics(tmp_path):
+    t0 = time.time()
+    rc = run_local_cluster([*TRAIN, "--compression=block", "--k=1", "--epochs=3",
+                            f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300)
+    assert rc == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    for field in FIELDS:
+        assert field in m, field
+    assert m["num_workers"] == 2 and m["replicas"] == 2
+    val = m["history"]["val_accuracy"]
+    assert val[-1] > val[0] and m["test_accuracy"] > 0.2, val
+    assert m["payload_bytes_per_step"] * 20 < m["dense_bytes_per_step"]
+    assert m["flags"]["compression"] == "block" and m["flags"]["k"] == 1
+    assert time.time() - t0 < 180
+
+
+def test_one_failing_worker_fails_the_run_quickly(tmp_path, capsys):
+    t0 = time.time()
+    rc = run_local_cluster([*TRAIN, "--epochs=5", "--fail_at_step=3", "--fail_worker=1",
+                            f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300, grace_s=3)
+    assert rc == 17
+    out = capsys.readouterr().out
+    assert "worker 1 failed with exit code 17" in out
+    assert "fault injection: exiting after 3 steps" in out
+    assert time.time() - t0 < 90
+
+
+def test_kill_and_resume_restores_residual_sum(tmp_path):
+    args = [*TRAIN, "--epochs=3", "--save_freq=5", f"--model_dir={tmp_path}",
+            "--compression=block", "--k=1"]
+    rc = run_local_cluster([*args, "--fail_at_step=30", "--fail_worker=1"], 2, env=ENV,
+                           timeout_s=300, grace_s=3)
+    assert rc == 17  # killed mid-epoch 2 (22 steps per epoch per worker)
+    backup = tmp_path / "backup" / "latest.weights.h5"
+    saved = tmp_path / "saved.weights.h5"
+    shutil.copy(backup, saved)
+    meta = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
+    assert meta["epoch"] == 1  # last backup: step 30 of epoch 2 (Keras resumes per epoch)
+    rc = run_local_cluster([*args, f"--dump_restored={tmp_path}/restored"], 2, env=ENV,
+                           timeout_s=300)
+    assert rc == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["initial_epoch"] == 1 and len(m["history"]["loss"]) == 2
+    r0, r1 = (np.load(tmp_path / f"restored.worker_{i}.npz") for i in range(2))
+    with h5py.File(saved, "r") as h5:
+        vars_ = h5["optimizer"]["vars"]
+        stored = [np.asarray(vars_[str(2 + i)]) for i in range(len(r0.files))]
+    for i, key in enumerate(r0.files):
+        assert np.any(stored[i] != 0)
+        np.testing.assert_array_equal(r0[key] + r1[key], stored[i])
