@@ -2,11 +2,16 @@
 
 Core (no adapters imported by it): :mod:`~tf_blocksparse.blocks` (block-rule table),
 :mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.feedback`,
-:mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.exchange`.  Adapters:
-:mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.
+:mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.exchange`, and the TF-free planners in
+:mod:`tf_blocksparse.planning` (those modules import no TensorFlow themselves).  Adapters:
+:mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.  The adapters are imported
+here so that ``import tf_blocksparse`` registers the optimizer with Keras (``.keras`` files
+that use it load after that import).
 """
 
+from tf_blocksparse import planning
 from tf_blocksparse.blocks import BlockLayout, BlockRule, block_table, format_block_table
+from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, Payload
 from tf_blocksparse.keras.backup import BackupAndRestore
@@ -14,8 +19,8 @@ from tf_blocksparse.keras.callbacks import BlockSparseMetrics
 from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 
 __all__ = [
-    "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseMetrics",
-    "BlockSparseOptimizer", "BlockTopK", "ElementTopK", "MultiWorkerMirroredStrategy",
-    "Payload", "block_table", "format_block_table",
+    "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseCrossDeviceOps",
+    "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "ElementTopK",
+    "MultiWorkerMirroredStrategy", "Payload", "block_table", "format_block_table", "planning",
 ]
 __version__ = "0.1.0"

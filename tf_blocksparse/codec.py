@@ -131,7 +131,16 @@ def rle_encode_tf(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         ``(starts [r] int32, lengths [r] int32, values [m])`` with ``m = sum(lengths)``.
     """
     x = tf.reshape(tf.convert_to_tensor(x), [-1])
-    nonzero = tf.logical_or(tf.not_equal(x, tf.zeros_like(x)), tf.math.is_nan(x))
+    # Compare bit patterns, not values: TF on CPU flushes subnormals to zero in float
+    # comparisons, but a subnormal is data.  Only +0.0 and -0.0 count as zero.
+    bits = {2: tf.int16, 4: tf.int32, 8: tf.int64}.get(x.dtype.size) if x.dtype.is_floating \
+        else None
+    if bits is None:
+        nonzero = tf.not_equal(x, tf.zeros_like(x))
+    else:
+        magnitude = tf.bitwise.bitwise_and(tf.bitcast(x, bits), tf.constant(
+            (1 << (8 * x.dtype.size - 1)) - 1, bits))  # sign bit cleared
+        nonzero = tf.not_equal(magnitude, tf.zeros_like(magnitude))
     padded = tf.pad(tf.cast(nonzero, tf.int32), [[1, 1]])
     edges = padded[1:] - padded[:-1]
     starts = tf.cast(tf.reshape(tf.where(tf.equal(edges, 1)), [-1]), tf.int32)
@@ -158,7 +167,8 @@ def rle_decode_tf(
     offsets = tf.cumsum(lengths, exclusive=True)
     index = tf.repeat(starts - offsets, lengths) + tf.range(tf.shape(values)[0])
     shape = tf.reshape(tf.cast(length, tf.int32), [1])
-    return tf.scatter_nd(index[:, None], values, shape)
+    # An update, not an add: copies bits, so subnormals survive TF's flush-to-zero.
+    return tf.tensor_scatter_nd_update(tf.zeros(shape, values.dtype), index[:, None], values)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

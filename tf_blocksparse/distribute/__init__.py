@@ -1,5 +1,6 @@
-"""tf.distribute adapters: the multi-worker strategy fix."""
+"""tf.distribute adapters: the block-sparse CrossDeviceOps and the multi-worker fix."""
 
+from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 
-__all__ = ["MultiWorkerMirroredStrategy"]
+__all__ = ["BlockSparseCrossDeviceOps", "MultiWorkerMirroredStrategy"]

@@ -1,0 +1,299 @@
+"""Balanced tensor fusion (SPEC S1): offline planners, online scheduler, cycle simulator."""
+
+import ast
+import itertools
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tf_blocksparse.planning import (
+    FusionGroup,
+    FusionPlan,
+    FusionScheduler,
+    TensorSpec,
+    compare_plans,
+    execution_order,
+    plan_balanced,
+    plan_ddp,
+    plan_horovod_greedy,
+    plan_tf_group_by_size,
+    simulate,
+    simulate_greedy_cycles,
+)
+
+PLANNING = pathlib.Path(__file__).resolve().parents[1] / "tf_blocksparse" / "planning"
+FAST = settings(max_examples=50, deadline=None)
+
+
+def specs(sizes, dtypes=None):
+    dtypes = dtypes or ["float32"] * len(sizes)
+    return [TensorSpec(f"t{i}", s, d) for i, (s, d) in enumerate(zip(sizes, dtypes))]
+
+
+@st.composite
+def problems(draw, max_n=12, mixed=False):
+    n = draw(st.integers(0, max_n))
+    sizes = draw(st.lists(st.integers(0, 30), min_size=n, max_size=n))
+    dts = st.sampled_from(["float32", "float16"]) if mixed else st.just("float32")
+    dtypes = draw(st.lists(dts, min_size=n, max_size=n))
+    return specs(sizes, dtypes), draw(st.integers(1, max(1, sum(sizes))))
+
+
+def all_plans(tensors, buf):
+    return [plan_balanced(tensors, buf), plan_tf_group_by_size(tensors, buf),
+            plan_ddp(tensors, buf, max(1, buf // 4)), plan_horovod_greedy(tensors, buf)]
+
+
+@FAST
+@given(problems(mixed=True))
+def test_plan_invariants_every_method(problem):
+    tensors, buf = problem
+    rev = execution_order(len(tensors))
+    single_dtype = len({t.dtype for t in tensors}) <= 1
+    for plan in all_plans(tensors, buf):
+        bounded = plan.method in ("balanced", "horovod_greedy")
+        plan.validate(check_size_bound=bounded)  # each tensor once, contiguous, one dtype
+        pos = {i: p for p, i in enumerate(rev)}
+        for g in plan.groups:  # ready order kept inside every group
+            assert [pos[i] for i in g.members] == sorted(pos[i] for i in g.members)
+        if plan.method != "ddp" or single_dtype:
+            assert plan.order == rev
+        if bounded:
+            for g in plan.groups:  # oversized tensors alone, others within the buffer
+                assert g.nbytes <= buf or len(g.members) == 1
+                assert all(tensors[i].nbytes <= buf for i in g.members) or len(g.members) == 1
+    # balanced and greedy both use the fewest groups the bound allows
+    assert len(plan_balanced(tensors, buf).groups) == len(plan_horovod_greedy(tensors, buf).groups)
+
+
+@FAST
+@given(problems())
+def test_tf_and_ddp_follow_their_closing_rules(problem):
+    tensors, buf = problem
+    tf_plan = plan_tf_group_by_size(tensors, buf)
+    for g in tf_plan.groups[:-1]:  # a pack closes right after it exceeds bytes_per_pack
+        assert g.nbytes > buf >= g.nbytes - tensors[g.members[-1]].nbytes
+    cap = max(1, buf // 4)
+    ddp = plan_ddp(tensors, buf, cap)
+    for k, g in enumerate(ddp.groups[:-1]):  # a bucket closes once it reaches its cap
+        limit = cap if k == 0 else buf
+        assert g.nbytes >= limit > g.nbytes - tensors[g.members[-1]].nbytes
+
+
+def brute_force(sizes, dtypes, buf):
+    """(groups, largest, -smallest) minimised over every valid contiguous partition."""
+    n, best = len(sizes), None
+    for cuts in itertools.product([False, True], repeat=max(n - 1, 0)):
+        runs, start = [], 0
+        for k, cut in enumerate(cuts, 1):
+            if cut:
+                runs.append(range(start, k))
+                start = k
+        runs.append(range(start, n))
+        sums = [sum(sizes[j] for j in r) for r in runs]
+        if all((s <= buf or len(r) == 1) and len({dtypes[j] for j in r}) == 1
+               for r, s in zip(runs, sums)):
+            key = (len(runs), max(sums), -min(sums))
+            best = key if best is None else min(best, key)
+    return best
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(max_n=10, mixed=True), st.randoms(use_true_random=False))
+def test_balanced_is_exact_optimum(problem, rnd):
+    tensors, buf = problem
+    order = list(range(len(tensors)))
+    rnd.shuffle(order)
+    plan = plan_balanced(tensors, buf, order)
+    assert plan.order == tuple(order)
+    if not tensors:
+        assert plan.groups == ()
+        return
+    sizes = [tensors[i].nbytes for i in order]
+    dtypes = [tensors[i].dtype for i in order]
+    assert (len(plan.groups), plan.largest, -plan.smallest) == brute_force(sizes, dtypes, buf)
+
+
+def test_balanced_matches_brute_force_on_random_sweep():
+    rnd = random.Random(1234)
+    for trial in range(1500):
+        n = rnd.randint(1, 9)
+        sizes = [rnd.randint(0, 30) for _ in range(n)]
+        dtypes = [rnd.choice("ab") if trial % 3 == 0 else "a" for _ in range(n)]
+        buf = rnd.randint(1, max(1, sum(sizes)))
+        plan = plan_balanced(specs(sizes, dtypes), buf)
+        got = (len(plan.groups), plan.largest, -plan.smallest)
+        assert got == brute_force(sizes[::-1], dtypes[::-1], buf), (sizes, dtypes, buf)
+
+
+def test_balanced_hand_example():
+    plan = plan_balanced(specs([5, 3, 8, 2, 9, 1, 4, 4]), 10)
+    assert [g.members for g in plan.groups] == [(7, 6, 5), (4,), (3, 2), (1, 0)]
+    assert [g.nbytes for g in plan.groups] == [9, 9, 10, 8]
+    tensors = specs([2, 3, 3, 3, 3])  # ready order: 3, 3, 3, 3, 2
+    assert [g.nbytes for g in plan_horovod_greedy(tensors, 9).groups] == [9, 5]
+    plan = plan_balanced(tensors, 9)
+    assert [g.members for g in plan.groups] == [(4, 3), (2, 1, 0)]
+    assert [g.nbytes for g in plan.groups] == [6, 8]
+    assert plan_balanced(specs([50, 1, 2]), 10).groups[-1] == FusionGroup((0,), 50)
+
+
+MiB = 2**20
+# ResNet-50 float32 gradient sizes (bytes) in forward order: stem, one block per stage plus its
+# projection shortcut, BN scale/offset vectors, and the classifier.
+RESNET50 = [4 * n for n in (
+    9408, 64, 64,                                    # conv1 7x7x3x64, bn1
+    4096, 64, 36864, 64, 16384, 256, 16384, 256,     # stage 1 (64 -> 256), shortcut
+    4096, 36864, 16384,                              # stage 1, 2nd block
+    32768, 128, 147456, 128, 65536, 512, 131072,     # stage 2 (128 -> 512), shortcut
+    65536, 147456, 65536,                            # stage 2, 2nd block
+    131072, 256, 589824, 256, 262144, 1024, 524288,  # stage 3 (256 -> 1024), shortcut
+    262144, 589824, 262144,                          # stage 3, 2nd block
+    524288, 2359296, 1048576, 2048, 2097152,         # stage 4 (512 -> 2048), shortcut
+    2048000, 1000,                                   # fc
+)]
+
+
+@pytest.mark.parametrize("buf", [4 * MiB, 8 * MiB, 16 * MiB, 25 * MiB])
+def test_balanced_beats_greedy_on_resnet50(buf):
+    tensors = specs(RESNET50)
+    rows = {r["method"]: r for r in compare_plans(tensors, buf)}
+    bal, greedy = rows["balanced"], rows["horovod_greedy"]
+    assert bal["groups"] == greedy["groups"]
+    assert bal["largest_bytes"] <= greedy["largest_bytes"]
+    assert bal["imbalance"] <= greedy["imbalance"]
+    assert set(rows) == {"balanced", "tf_group_by_size", "ddp", "horovod_greedy"}
+
+
+def test_balanced_strictly_more_even_on_resnet50():
+    tensors = specs(RESNET50)
+    bal, greedy = plan_balanced(tensors, 8 * MiB), plan_horovod_greedy(tensors, 8 * MiB)
+    assert bal.imbalance < greedy.imbalance
+
+
+@FAST
+@given(problems(mixed=True), st.text(max_size=5))
+def test_json_round_trip(problem, name):
+    tensors, buf = problem
+    tensors = [TensorSpec(name + t.name, t.nbytes, t.dtype) for t in tensors]
+    for plan in all_plans(tensors, buf):
+        assert FusionPlan.from_json(plan.to_json()) == plan
+
+
+def test_execution_order():
+    assert execution_order(4) == (3, 2, 1, 0)
+    assert execution_order(3, [2, 0, 1]) == (1, 0, 2)
+    with pytest.raises(ValueError):
+        execution_order(3, [0, 0, 1])
+    with pytest.raises(ValueError):
+        plan_balanced(specs([1, 2]), 0)
+
+
+def seed_plan():
+    tensors = specs([4, 4, 8, 2, 3, 3])
+    groups = tuple(FusionGroup(m, sum(tensors[i].nbytes for i in m))
+                   for m in [(0, 1), (2,), (3, 4, 5)])
+    plan = FusionPlan("hand", 8, tuple(range(6)), groups, tuple(tensors))
+    plan.validate()
+    return plan
+
+
+def test_scheduler_seed_cycles():
+    plan = seed_plan()
+    sched = FusionScheduler(plan)
+    for _ in range(2):  # second pass after reset()
+        assert sched.step([1]) == ([], (1,))
+        fused, pending = sched.step([0, 2])
+        assert [g.members for g in fused] == [(0, 1), (2,)] and pending == ()
+        assert sched.step([3, 5]) == ([], (3, 5))
+        fused, pending = sched.step([4])
+        assert [g.members for g in fused] == [(3, 4, 5)] and pending == () and sched.done
+        sched.reset()
+
+
+def test_scheduler_rejects_unknown_and_duplicate_ids():
+    sched = FusionScheduler(seed_plan())
+    with pytest.raises(ValueError, match="response_list"):
+        sched.step([9])
+    with pytest.raises(ValueError, match="response_list"):
+        sched.step([1, 1])
+    sched.step([1])
+    with pytest.raises(ValueError, match="response_list"):
+        sched.step([1])
+    sched.reset()
+    assert sched.step([1]) == ([], (1,))
+
+
+@FAST
+@given(problems(), st.randoms(use_true_random=False))
+def test_scheduler_emits_each_group_when_complete(problem, rnd):
+    tensors, buf = problem
+    plan = plan_balanced(tensors, buf)
+    ids = list(range(len(tensors)))
+    rnd.shuffle(ids)
+    cuts = sorted(rnd.sample(range(len(ids) + 1), min(3, len(ids) + 1)))
+    cycles = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+    sched, seen, emitted = FusionScheduler(plan), set(), []
+    for cyc in cycles:
+        seen.update(cyc)
+        fused, pending = sched.step(cyc)
+        assert all(set(g.members) <= seen for g in fused)
+        emitted += fused
+        done = {i for g in emitted for i in g.members}
+        assert set(pending) == seen - done
+    assert sorted(emitted, key=plan.groups.index) == list(plan.groups) and sched.done
+
+
+def test_simulate_fewer_more_even_buffers_than_greedy_cycles():
+    # backward order 5..0; sizes 4,4,2 | 4,4,2 with a 10-byte buffer; one tensor per cycle
+    tensors = specs([2, 4, 4, 2, 4, 4])
+    ready = [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+    plan = plan_balanced(tensors, 10)
+    assert [g.nbytes for g in plan.groups] == [10, 10]
+    bal = simulate(plan, ready, cycle_s=1.0)
+    greedy = simulate_greedy_cycles(tensors, ready, cycle_s=1.0, fusion_bytes=10)
+    assert bal["fused_bytes_per_cycle"] == [[], [], [10], [], [], [10]]
+    assert greedy["fused_bytes_per_cycle"] == [[4], [4], [2], [4], [4], [2]]
+    assert bal["collectives"] == 2 < greedy["collectives"] == 6
+    assert bal["imbalance"] == 1.0 < greedy["imbalance"] == 2.0
+    assert bal["last_start_s"] == greedy["last_start_s"] == 5.0
+    # tensors ready within one cycle: greedy fuses them together, bounded by the threshold
+    together = simulate_greedy_cycles(tensors, [0.1] * 6, cycle_s=1.0, fusion_bytes=10)
+    assert together["fused_bytes_per_cycle"] == [[], [10, 10]]
+
+
+def test_simulate_all_ready_at_once_gives_plan_groups():
+    tensors = specs(RESNET50)
+    plan = plan_balanced(tensors, 8 * MiB)
+    sim = simulate(plan, [0.0] * len(tensors), cycle_s=0.001)
+    assert sim["buffers"] == [g.nbytes for g in plan.groups]
+    assert sim["collectives"] == len(plan.groups) and sim["last_start_s"] == 0.0
+
+
+def test_planning_modules_do_not_import_tensorflow():
+    # The parent package's __init__ imports TF; stub it so only planning/ itself is loaded.
+    code = (
+        "import sys, types\n"
+        f"pkg = types.ModuleType('tf_blocksparse'); pkg.__path__ = [{str(PLANNING.parent)!r}]\n"
+        "sys.modules['tf_blocksparse'] = pkg\n"
+        "import tf_blocksparse.planning, tf_blocksparse.planning.fusion\n"
+        "import tf_blocksparse.planning.schedule\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras', 'numpy')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    for name in ("__init__.py", "fusion.py", "schedule.py"):
+        tree = ast.parse((PLANNING / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            assert not {"tensorflow", "keras"} & set(roots), (name, roots)

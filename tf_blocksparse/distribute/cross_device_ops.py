@@ -1,0 +1,150 @@
+"""``BlockSparseCrossDeviceOps``: the block-sparse exchange for ``MirroredStrategy``.
+
+``tf.distribute.MirroredStrategy(cross_device_ops=tfbs.BlockSparseCrossDeviceOps(k=1))``
+with a *plain* Keras optimizer: the optimizer's gradient all-reduce (a SUM ``batch_reduce`` of
+per-replica float tensors) becomes, per device, error feedback + block top-k selection (the
+same :class:`~tf_blocksparse.feedback.BlockTopK` core as ``BlockSparseOptimizer``) and the
+sum of every device's selected blocks.  Residuals are owned by this object: one variable per
+device and gradient, created on first use.  Everything else -- single ``reduce`` calls
+(metrics, ``strategy.reduce``), MEAN reductions, integer values, ``all_gather`` -- is a dense
+pass-through (reduce to one device, then broadcast).
+
+Variables are identified by position and shape in the gradient batch; give ``model=`` so
+the block-rule table sees their layer classes (otherwise rank-2+ tensors split along the
+last axis, vectors per element).  Unlike the optimizer wrapper, non-finite gradients are
+not skipped here (they reach the optimizer as with dense reduction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from tf_blocksparse import blocks, selection
+from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
+
+_SPARSE_EXCHANGES = ("allgather", "shared")
+
+
+class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
+    """Block-sparse SUM of gradient batches across the devices of one process.
+
+    Args:
+      k: Blocks kept per variable per device (default 1).
+      density: Alternatively, the fraction of blocks kept.
+      metric: ``"l1"`` or ``"l2"``.
+      exchange: ``"allgather"`` (each device its own blocks) or ``"shared"`` (blocks chosen
+        from the scores summed over devices).
+      model: Optional Keras model whose ``trainable_variables`` the gradients belong to.
+      block_rules: Optional ``{path regex: rule name}`` overrides.
+      granularity: ``"block"`` or ``"element"`` (element-wise top-k baseline).
+    """
+
+    def __init__(self, k: int | None = None, density: float | None = None,
+                 metric: str = "l1", exchange: str = "allgather", model: Any = None,
+                 block_rules: Mapping[str, str] | None = None, granularity: str = "block"):
+        self.k, self.density = validate_k_density(k, density)
+        if metric not in selection.METRICS:
+            raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
+        if exchange not in _SPARSE_EXCHANGES:
+            raise ValueError(f"`exchange` must be one of {_SPARSE_EXCHANGES}, got {exchange!r}")
+        if granularity not in ("block", "element"):
+            raise ValueError(f"`granularity` must be 'block' or 'element', got {granularity!r}")
+        for rule in (block_rules or {}).values():
+            blocks._as_rule(rule, "block_rules")
+        super().__init__()
+        self.metric, self.exchange, self.granularity = metric, exchange, granularity
+        self.block_rules = dict(block_rules or {})
+        self._model = model
+        self._residuals: dict[tuple, list[list[tf.Variable]]] = {}
+        self.payload_bytes = 0  # per device per step, set when a gradient batch is traced
+        self.dense_bytes = 0
+
+    # -- which reductions are gradient batches ---------------------------------------------
+    @staticmethod
+    def _is_gradient_batch(reduce_op: Any, values: Sequence[Any]) -> bool:
+        if reduce_op != tf.distribute.ReduceOp.SUM or not values:
+            return False
+        for v in values:
+            locals_ = getattr(v, "values", None)
+            if not isinstance(v, tf.distribute.DistributedValues) or locals_ is None \
+                    or len(locals_) < 2 or isinstance(locals_[0], tf.IndexedSlices):
+                return False
+            t = locals_[0]
+            if not t.dtype.is_floating or not t.shape.is_fully_defined():
+                return False
+        return True
+
+    def _layouts(self, shapes: Sequence[tuple[int, ...]]) -> list[blocks.BlockLayout]:
+        variables = list(getattr(self._model, "trainable_variables", []) or [])
+        if [tuple(v.shape) for v in variables] == list(shapes):
+            return blocks.layouts_for(variables, self._model, self.block_rules)
+        return [blocks.rule_for(f"gradient_{i}/{'kernel' if len(s) >= 2 else 'bias'}", s,
+                                overrides=self.block_rules) for i, s in enumerate(shapes)]
+
+    def _state(self, key: tuple, devices: Sequence[str], layouts: Sequence[blocks.BlockLayout],
+               dtypes: Sequence[tf.DType]) -> list[list[tf.Variable]]:
+        if key not in self._residuals:
+            per_device = []
+            with tf.init_scope():  # created once, eagerly, even when first seen in a trace
+                for d, dev in enumerate(devices):
+                    with tf.device(dev):
+                        per_device.append([
+                            tf.Variable(tf.zeros(lay.shape, dt), trainable=False,
+                                        name=f"residual_{i}_replica_{d}")
+                            for i, (lay, dt) in enumerate(zip(layouts, dtypes))])
+            self._residuals[key] = per_device
+        return self._residuals[key]
+
+    @property
+    def residuals(self) -> dict[tuple, list[list[tf.Variable]]]:
+        """``{batch signature: [per device [per gradient residual variable]]}``."""
+        return self._residuals
+
+    # -- the exchange ----------------------------------------------------------------------
+    def batch_reduce_implementation(self, reduce_op: Any, value_destination_pairs: Any,
+                                    options: Any) -> list[Any]:
+        values = [v for v, _ in value_destination_pairs]
+        if not self._is_gradient_batch(reduce_op, values):
+            return super().batch_reduce_implementation(reduce_op, value_destination_pairs,
+                                                       options)
+        devices = [t.device for t in values[0].values]
+        shapes = [tuple(v.values[0].shape) for v in values]
+        dtypes = [v.values[0].dtype for v in values]
+        layouts = self._layouts(shapes)
+        comp_cls = ElementTopK if self.granularity == "element" else BlockTopK
+        comp = comp_cls(layouts, self.k, self.density, self.metric)
+        state = self._state((tuple(devices), tuple(shapes)), devices, layouts, dtypes)
+        prepared = []
+        for d, dev in enumerate(devices):
+            with tf.device(dev):
+                grads = [v.values[d] for v in values]
+                prepared.append(comp.prepare(grads, [r.read_value() for r in state[d]]))
+        with tf.device(devices[0]):
+            if self.exchange == "shared":
+                summed = [tf.add_n([p.scores[i] for p in prepared]) for i in range(len(values))]
+                common = comp.select(summed)
+                ids = [common] * len(devices)
+            else:
+                ids = [None] * len(devices)
+        payloads = []
+        for d, dev in enumerate(devices):
+            with tf.device(dev):
+                chosen = ids[d] if ids[d] is not None else comp.select(prepared[d].scores)
+                payload, new_state = comp.finish(prepared[d], chosen)
+                for r, s in zip(state[d], new_state):
+                    r.assign(s)
+                payloads.append(payload)
+        self.payload_bytes = sum(4 * i.shape[0] + v.shape.num_elements() * v.dtype.size
+                                 for i, v in zip(payloads[0].ids, payloads[0].values))
+        self.dense_bytes = sum(lay.size * dt.size for lay, dt in zip(layouts, dtypes))
+        results = []
+        with tf.device(devices[0]):
+            for i, (lay, (_, dest)) in enumerate(zip(comp.layouts, value_destination_pairs)):
+                rows = tf.concat([p.values[i] for p in payloads], axis=0)
+                row_ids = tf.concat([p.ids[i] for p in payloads], axis=0)
+                update = selection.scatter_blocks(rows, row_ids, lay)
+                results.append(self.broadcast_implementation(update, dest))
+        return results
