@@ -77,3 +77,27 @@ def test_non_gradient_reductions_pass_through():
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         tfbs.BlockSparseCrossDeviceOps(**kwargs)
+
+
+@pytest.mark.parametrize("buffer_bytes", [64, 2000, 10**6])
+def test_fused_ops_bit_identical_to_default_reduction(mirrored2, buffer_bytes):
+    key = ("fused", buffer_bytes)
+    if key not in _STRATEGIES:
+        ops = tfbs.FusedCrossDeviceOps(buffer_bytes=buffer_bytes)
+        _STRATEGIES[key] = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                                           cross_device_ops=ops), ops)
+    fused, ops = _STRATEGIES[key]
+    plain = mirrored2  # the default (collective) reduction; one such strategy per process
+    a, _ = _fit(fused, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+    b, _ = _fit(plain, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+    for x, y in zip(a.get_weights(), b.get_weights()):
+        assert np.array_equal(x, y)
+    # backward order: dense bias 12 B, dense kernel 2160 B, conv bias 20 B, conv kernel 180 B
+    assert ops.collectives_per_step == {64: 4, 2000: 3, 10**6: 1}[buffer_bytes]
+
+
+def test_fused_ops_arguments():
+    with pytest.raises(ValueError, match="exactly one"):
+        tfbs.FusedCrossDeviceOps()
+    with pytest.raises(ValueError, match="`buffer_bytes`"):
+        tfbs.FusedCrossDeviceOps(buffer_bytes=0)

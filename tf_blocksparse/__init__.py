@@ -12,6 +12,7 @@ that use it load after that import).
 from tf_blocksparse import planning
 from tf_blocksparse.blocks import BlockLayout, BlockRule, block_table, format_block_table
 from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
+from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, Payload
 from tf_blocksparse.keras.backup import BackupAndRestore
@@ -21,6 +22,7 @@ from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 __all__ = [
     "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseCrossDeviceOps",
     "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "ElementTopK",
+    "FusedCrossDeviceOps",
     "MultiWorkerMirroredStrategy", "Payload", "block_table", "format_block_table", "planning",
 ]
 __version__ = "0.1.0"
