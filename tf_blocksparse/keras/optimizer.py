@@ -33,6 +33,7 @@ import tensorflow as tf
 from tf_blocksparse import blocks, selection
 from tf_blocksparse import exchange as exchange_lib
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
+from tf_blocksparse.planning.fusion import TensorSpec, execution_order, plan_balanced
 
 NONFINITE = ("skip", "apply")
 GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
@@ -89,6 +90,10 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
       granularity: ``"block"`` (default) or ``"element"``: element-wise top-k with error
         feedback, the DGC/GRACE baseline (use with ``density``).
+      fusion_buffer_bytes: Optional fusion buffer size: variables are exchanged in balanced
+        groups (contiguous in backward order, see :mod:`tf_blocksparse.planning.fusion`),
+        one set of collectives per group, so the last layers' exchange can start while
+        backward still runs.  Default: one group for all variables.
       name: Optimizer name.
     """
 
@@ -96,7 +101,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  density: float | None = None, metric: str = "l1",
                  exchange: str = "allgather", nonfinite: str = "skip",
                  block_rules: Mapping[str, str] | None = None, model: Any = None,
-                 granularity: str = "block", name: str | None = None, **kwargs: Any):
+                 granularity: str = "block", fusion_buffer_bytes: int | None = None,
+                 name: str | None = None, **kwargs: Any):
         if not isinstance(inner, keras.optimizers.Optimizer):
             raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
@@ -113,6 +119,11 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         if granularity not in GRANULARITIES:
             raise ValueError(f"`granularity` must be one of {sorted(GRANULARITIES)}, "
                              f"got {granularity!r}")
+        if fusion_buffer_bytes is not None and (
+                isinstance(fusion_buffer_bytes, bool) or not isinstance(fusion_buffer_bytes, int)
+                or fusion_buffer_bytes < 1):
+            raise ValueError(f"`fusion_buffer_bytes` must be an int >= 1, got "
+                             f"{fusion_buffer_bytes!r}")
         if nonfinite not in NONFINITE:
             raise ValueError(f"`nonfinite` must be one of {NONFINITE}, got {nonfinite!r}")
         for rule in (block_rules or {}).values():
@@ -128,6 +139,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self.exchange = exchange
         self.nonfinite = nonfinite
         self.granularity = granularity
+        self.fusion_buffer_bytes = fusion_buffer_bytes
         self.block_rules = dict(block_rules or {})
         self._model = model
         inner._all_reduce_sum_gradients = _no_all_reduce
@@ -204,14 +216,19 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]
         idx = [self._get_variable_index(v) for v in tvs]
         ctx = tf.distribute.get_replica_context()
+        groups = self._fusion_groups(grads)
         if self.exchange == "dense":
-            result = exchange_lib.run_exchange("dense", ctx, None, grads, None)
+            result = exchange_lib.run_grouped_exchange(
+                "dense", ctx, lambda g: None, grads, None, groups, self.metric)
         else:
-            comp = GRANULARITIES[self.granularity](
-                [self.layouts[i] for i in idx], self.k, self.density, self.metric)
+            def make_comp(group: Sequence[int]) -> BlockTopK:
+                return GRANULARITIES[self.granularity](
+                    [self.layouts[idx[i]] for i in group], self.k, self.density, self.metric)
+
             residuals = [self._residuals[i] for i in idx]
             state = [tf.convert_to_tensor(r.value) for r in residuals]
-            result = exchange_lib.run_exchange(self.exchange, ctx, comp, grads, state)
+            result = exchange_lib.run_grouped_exchange(
+                self.exchange, ctx, make_comp, grads, state, groups, self.metric)
 
             def commit() -> tf.Operation:
                 return tf.group([r.value.assign(s) for r, s in zip(residuals, result.residuals)])
@@ -219,6 +236,15 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             self._when_finite(result.finite, commit)
         self._record(result)
         self._apply_inner(result.updates, tvs, result.finite)
+
+    def _fusion_groups(self, grads: Sequence[tf.Tensor]) -> list[list[int]]:
+        """Positions of ``grads`` per fusion group, in backward order (one group if unset)."""
+        if self.fusion_buffer_bytes is None:
+            return [list(range(len(grads)))]
+        specs = [TensorSpec(f"g{i}", int(g.shape.num_elements()) * g.dtype.size, g.dtype.name)
+                 for i, g in enumerate(grads)]
+        plan = plan_balanced(specs, self.fusion_buffer_bytes, execution_order(len(specs)))
+        return [list(group.members) for group in plan.groups]
 
     def _when_finite(self, finite: tf.Tensor, fn: Any) -> None:
         if self.nonfinite == "apply":
@@ -277,6 +303,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             "k": self.k if self.density is None else None, "density": self.density,
             "metric": self.metric, "exchange": self.exchange, "nonfinite": self.nonfinite,
             "block_rules": dict(self.block_rules), "granularity": self.granularity,
+            "fusion_buffer_bytes": self.fusion_buffer_bytes,
         }
 
     @classmethod
