@@ -36,7 +36,7 @@ def _fit(strategy, opt_fn, ops=None):
     with strategy.scope():
         model = _model()
         if ops is not None:
-            ops._model = model
+            ops.bind_model(model)
         model.compile(optimizer=opt_fn(), metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     hist = model.fit(*_data(), batch_size=16, epochs=2, shuffle=False, verbose=0)
@@ -77,6 +77,11 @@ def test_non_gradient_reductions_pass_through():
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         tfbs.BlockSparseCrossDeviceOps(**kwargs)
+
+
+def test_bind_model_needs_a_model():
+    with pytest.raises(TypeError, match="`model`"):
+        tfbs.BlockSparseCrossDeviceOps().bind_model(object())
 
 
 @pytest.mark.parametrize("buffer_bytes", [64, 2000, 10**6])

@@ -62,6 +62,13 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         self.payload_bytes = 0  # per device per step, set when a gradient batch is traced
         self.dense_bytes = 0
 
+    def bind_model(self, model: Any) -> None:
+        """Names the Keras model whose gradients this reduces (the strategy, and so these
+        ops, exist before the model; call this once the model is built, before training)."""
+        if not hasattr(model, "trainable_variables"):
+            raise TypeError(f"`model` must be a Keras model, got {model!r}")
+        self._model = model
+
     # -- which reductions are gradient batches ---------------------------------------------
     @staticmethod
     def _is_gradient_batch(reduce_op: Any, values: Sequence[Any]) -> bool:
