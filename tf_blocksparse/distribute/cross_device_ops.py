@@ -23,6 +23,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_blocksparse import blocks, selection
+from tf_blocksparse.distribute.batches import is_gradient_batch
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
 
 _SPARSE_EXCHANGES = ("allgather", "shared")
@@ -70,20 +71,6 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         self._model = model
 
     # -- which reductions are gradient batches ---------------------------------------------
-    @staticmethod
-    def _is_gradient_batch(reduce_op: Any, values: Sequence[Any]) -> bool:
-        if reduce_op != tf.distribute.ReduceOp.SUM or not values:
-            return False
-        for v in values:
-            locals_ = getattr(v, "values", None)
-            if not isinstance(v, tf.distribute.DistributedValues) or locals_ is None \
-                    or len(locals_) < 2 or isinstance(locals_[0], tf.IndexedSlices):
-                return False
-            t = locals_[0]
-            if not t.dtype.is_floating or not t.shape.is_fully_defined():
-                return False
-        return True
-
     def _layouts(self, shapes: Sequence[tuple[int, ...]]) -> list[blocks.BlockLayout]:
         variables = list(getattr(self._model, "trainable_variables", []) or [])
         if [tuple(v.shape) for v in variables] == list(shapes):
@@ -114,7 +101,7 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
     def batch_reduce_implementation(self, reduce_op: Any, value_destination_pairs: Any,
                                     options: Any) -> list[Any]:
         values = [v for v, _ in value_destination_pairs]
-        if not self._is_gradient_batch(reduce_op, values):
+        if not is_gradient_batch(reduce_op, values, min_devices=2):
             return super().batch_reduce_implementation(reduce_op, value_destination_pairs,
                                                        options)
         devices = [t.device for t in values[0].values]

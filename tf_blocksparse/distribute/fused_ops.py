@@ -13,6 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_blocksparse.distribute.batches import is_gradient_batch
 from tf_blocksparse.planning.fusion import FusionPlan, TensorSpec, execution_order, plan_balanced
 
 
@@ -45,23 +46,10 @@ class FusedCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         self.buffer_bytes = buffer_bytes
         self.collectives_per_step = 0
 
-    @staticmethod
-    def _is_gradient_batch(reduce_op: Any, values: list[Any]) -> bool:
-        if reduce_op != tf.distribute.ReduceOp.SUM or not values:
-            return False
-        for v in values:
-            locals_ = getattr(v, "values", None)
-            if not isinstance(v, tf.distribute.DistributedValues) or locals_ is None \
-                    or isinstance(locals_[0], tf.IndexedSlices) \
-                    or not locals_[0].dtype.is_floating \
-                    or not locals_[0].shape.is_fully_defined():
-                return False
-        return True
-
     def batch_reduce_implementation(self, reduce_op: Any, value_destination_pairs: Any,
                                     options: Any) -> list[Any]:
         values = [v for v, _ in value_destination_pairs]
-        if not self._is_gradient_batch(reduce_op, values):
+        if not is_gradient_batch(reduce_op, values, min_devices=1):
             return super().batch_reduce_implementation(reduce_op, value_destination_pairs,
                                                        options)
         shapes = [tuple(v.values[0].shape) for v in values]
