@@ -1,0 +1,497 @@
+"""Balanced tensor fusion against TF / DDP / Horovod bucketing: plans, cycle simulation, step time.
+
+Prints one JSON object (all in one process) with:
+
+``plans``
+    For each variable set (``keras.applications`` ResNet-50 / VGG-16, ``weights=None``, float32
+    bytes, execution order = reverse of ``trainable_variables``) and each ``--buffer_mib``: every
+    method of :func:`~tf_blocksparse.planning.fusion.compare_plans` (groups, largest / smallest
+    bytes, imbalance) plus ``imbalance_excluding_oversized`` (groups that are one tensor larger
+    than the buffer left out) and whether the balanced plan meets ``largest/smallest <= 1.25``
+    that way.
+``simulation``
+    Gradient-ready times *measured* from real backward passes of ``--sim_model`` on this
+    machine (one timestamp per gradient, median over ``--sim_steps`` steps, seconds after the
+    loss), fed to :func:`~tf_blocksparse.planning.schedule.simulate` (balanced plan) and
+    :func:`~tf_blocksparse.planning.schedule.simulate_greedy_cycles` (Horovod cycles) with a
+    ``--cycle_ms`` cycle and a buffer of ``total_bytes / --sim_buffer_divisor``.
+``step_time``
+    A 2-replica ``MirroredStrategy`` training step on the two logical CPUs (forward, loss /
+    replicas, gradients, reduction, plain SGD ``v -= lr * g`` through ``merge_call`` +
+    ``extended.update``) with four reductions, timed interleaved in the same process:
+    ``per_tensor`` (one ``all_reduce`` per gradient), ``tf_default`` (one batched
+    ``all_reduce``: TF packs everything), ``tf_bytes_per_pack`` (the same with
+    ``bytes_per_pack=--pack_mib``) and ``balanced`` (one ``all_reduce`` per
+    :func:`~tf_blocksparse.planning.fusion.plan_balanced` group: concat, reduce, split).
+
+Non-finite ratios (a group of 0 bytes) are written as ``null``.
+
+    python launch/bench_fusion.py [--buffer_mib=4,16,25,64] [--cycle_ms=5] [--pack_mib=4]
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from tf_blocksparse.planning import (  # noqa: E402
+    FusionPlan,
+    TensorSpec,
+    compare_plans,
+    plan_balanced,
+    plan_ddp,
+    plan_horovod_greedy,
+    plan_tf_group_by_size,
+    simulate,
+    simulate_greedy_cycles,
+)
+
+FLAGS = flags.FLAGS
+MIB = 2**20
+BALANCE_TARGET = 1.25
+STEP_METHODS = ("per_tensor", "tf_default", "tf_bytes_per_pack", "balanced")
+MODELS = ("resnet50", "vgg16", "small_cnn")
+UPDATE_NOTE = ("plain SGD v -= lr * reduced_g on every replica via merge_call + "
+               "strategy.extended.update (BatchNorm moving statistics update in replica)")
+
+
+def define_flags() -> None:
+    """Defines the script's flags (only called when run as a script)."""
+    flags.DEFINE_list("buffer_mib", ["4", "16", "25", "64"], "Fusion buffer sizes for `plans`.")
+    flags.DEFINE_list("plan_models", ["resnet50", "vgg16"], "Variable sets for `plans`.")
+    flags.DEFINE_enum("sim_model", "resnet50", MODELS, "Model whose backward pass is timed.")
+    flags.DEFINE_integer("sim_image_size", 64, "Input height/width of the simulation model.")
+    flags.DEFINE_integer("sim_batch", 8, "Batch size of the simulation model.")
+    flags.DEFINE_integer("sim_warmup", 3, "Untimed backward passes before the timed ones.")
+    flags.DEFINE_integer("sim_steps", 5, "Timed backward passes (median per tensor).")
+    flags.DEFINE_float("cycle_ms", 5.0, "Scheduler cycle time in milliseconds.")
+    flags.DEFINE_integer("sim_buffer_divisor", 8, "Simulation buffer = total bytes / this.")
+    flags.DEFINE_enum("step_model", "resnet50", MODELS, "Model of the 2-replica step.")
+    flags.DEFINE_integer("step_image_size", 32, "Input height/width of the step model.")
+    flags.DEFINE_integer("step_batch", 8, "Batch size per replica of the step.")
+    flags.DEFINE_integer("warmup", 2, "Untimed interleaved rounds of the step.")
+    flags.DEFINE_integer("repeats", 11, "Timed interleaved rounds of the step (median).")
+    flags.DEFINE_float("pack_mib", 4.0, "bytes_per_pack / balanced buffer of the step, MiB.")
+
+
+# --------------------------------------------------------------------------- set-up helpers
+
+
+def ensure_logical_cpus(count: int = 2) -> None:
+    """Splits the physical CPU into ``count`` logical devices (before TF initialises).
+
+    Raises:
+        RuntimeError: TF is already initialised with fewer logical CPUs.
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if len(tf.config.get_logical_device_configuration(cpu) or []) >= count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError as err:  # already initialised
+        if len(tf.config.list_logical_devices("CPU")) < count:
+            raise RuntimeError(f"need {count} logical CPUs; configure them before TensorFlow "
+                               "initialises or pass a strategy") from err
+
+
+def machine_info() -> dict:
+    """Platform, CPU count, TF / Keras versions and the accelerator kind."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "tensorflow": tf.__version__, "keras": keras.__version__,
+            "logical_cpus": len(tf.config.list_logical_devices("CPU")),
+            "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU"}
+
+
+def build_model(name: str, image_size: int | None = None, classes: int = 10) -> keras.Model:
+    """A model with real variables.
+
+    Args:
+        name: ``resnet50``, ``vgg16`` (``keras.applications``, ``weights=None``) or
+            ``small_cnn`` (a few convolutions of varied width, BatchNorm and a dense head).
+        image_size: Input height / width; ``None`` for the ImageNet default (224, 1000
+            classes; ``small_cnn``: 32).
+        classes: Output classes when ``image_size`` is given.
+    """
+    if name == "small_cnn":
+        size = image_size or 32
+        layers = [keras.Input((size, size, 3))]
+        for width in (8, 16, 32, 64):
+            layers += [keras.layers.Conv2D(width, 3, padding="same", use_bias=False),
+                       keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                       keras.layers.MaxPooling2D(2, padding="same")]
+        layers += [keras.layers.Flatten(), keras.layers.Dense(64, activation="relu"),
+                   keras.layers.Dense(classes, activation="softmax")]
+        return keras.Sequential(layers, name="small_cnn")
+    builder = {"resnet50": keras.applications.ResNet50, "vgg16": keras.applications.VGG16}
+    if name not in builder:
+        raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+    if image_size is None:
+        return builder[name](weights=None)
+    return builder[name](weights=None, input_shape=(image_size, image_size, 3), classes=classes)
+
+
+def tensor_specs(variables: Sequence[Any]) -> list[TensorSpec]:
+    """One float32 :class:`TensorSpec` per variable, in the variables' order."""
+    return [TensorSpec(getattr(v, "path", v.name), int(np.prod(v.shape, dtype=np.int64)) * 4)
+            for v in variables]
+
+
+def _num(x: float, digits: int = 4) -> float | None:
+    """Rounds a float for JSON; ``None`` when it is not finite."""
+    return round(float(x), digits) if math.isfinite(x) else None
+
+
+# --------------------------------------------------------------------------------- plans
+
+
+def _plans(specs: Sequence[TensorSpec], buffer_bytes: int) -> dict[str, FusionPlan]:
+    """The plans :func:`compare_plans` summarises, with the same arguments."""
+    return {
+        "balanced": plan_balanced(specs, buffer_bytes),
+        "tf_group_by_size": plan_tf_group_by_size(specs, buffer_bytes),
+        "ddp": plan_ddp(specs, buffer_bytes, min(MIB, buffer_bytes)),
+        "horovod_greedy": plan_horovod_greedy(specs, buffer_bytes),
+    }
+
+
+def imbalance_excluding_oversized(plan: FusionPlan) -> tuple[float, int]:
+    """``largest / smallest`` over the groups that are not one tensor above the buffer.
+
+    Returns:
+        ``(imbalance, oversized_groups)``; the imbalance is 1.0 when no group is left.
+    """
+    kept = [g.nbytes for g in plan.groups
+            if not (len(g.members) == 1 and g.nbytes > plan.buffer_bytes)]
+    oversized = len(plan.groups) - len(kept)
+    if not kept or max(kept) == 0:
+        return 1.0, oversized
+    return (max(kept) / min(kept) if min(kept) else float("inf")), oversized
+
+
+def plan_buffer_report(specs: Sequence[TensorSpec], buffer_bytes: int) -> dict:
+    """Every method's plan summary at one buffer size, and the balanced plan's checks."""
+    plans = _plans(specs, buffer_bytes)
+    methods = {}
+    for row in compare_plans(specs, buffer_bytes):
+        plan = plans[row["method"]]
+        if len(plan.groups) != row["groups"]:
+            raise AssertionError(f"{row['method']}: plan differs from compare_plans")
+        excl, oversized = imbalance_excluding_oversized(plan)
+        methods[row["method"]] = {
+            "groups": row["groups"], "largest_bytes": row["largest_bytes"],
+            "smallest_bytes": row["smallest_bytes"], "imbalance": _num(row["imbalance"]),
+            "imbalance_excluding_oversized": _num(excl), "oversized_groups": oversized,
+        }
+    bal = methods["balanced"]
+    return {
+        "buffer_mib": buffer_bytes / MIB, "buffer_bytes": buffer_bytes,
+        "methods": methods,
+        "greedy_min_groups": methods["horovod_greedy"]["groups"],
+        "balanced_is_min_count": bal["groups"] == methods["horovod_greedy"]["groups"],
+        "balanced_meets_1_25": (bal["imbalance_excluding_oversized"] is not None
+                                and bal["imbalance_excluding_oversized"] <= BALANCE_TARGET),
+    }
+
+
+def plans_section(models: Sequence[str], buffer_mib: Sequence[float]) -> dict:
+    """``plans``: per model, its variable set and one report per buffer size."""
+    out = {}
+    for name in models:
+        model = build_model(name)
+        specs = tensor_specs(model.trainable_variables)
+        del model
+        gc.collect()
+        out[name] = {
+            "tensors": len(specs), "total_bytes": sum(s.nbytes for s in specs),
+            "largest_tensor_bytes": max(s.nbytes for s in specs),
+            "buffers": [plan_buffer_report(specs, int(round(m * MIB))) for m in buffer_mib],
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------- simulation
+
+
+def measure_ready_times(model: keras.Model, batch: int, image_size: int, warmup: int,
+                        steps: int, classes: int = 10) -> tuple[list[float], float, float]:
+    """Times when each gradient of a real backward pass is ready, seconds after the loss.
+
+    The step is a ``tf.compat.v1.wrap_function`` graph: unlike ``tf.function`` it adds no
+    automatic control dependencies, which would chain the (stateful) timestamps in program
+    order.  One timestamp is taken after the loss and seeds the backward pass (the output
+    gradient depends on it, so no backward op starts earlier); one is taken under
+    ``control_dependencies([g_i])`` for every gradient.  The gradients' sum is fetched so the
+    backward pass is not pruned.
+
+    Returns:
+        ``(ready_times_s, forward_s, backward_s)``: per trainable variable the median over
+        ``steps`` of its gradient's ready time (clamped at 0), and the medians of the forward
+        pass (input to loss) and of the backward pass (loss to last gradient).
+    """
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((batch, image_size, image_size, 3), dtype=np.float32))
+    y = tf.constant(rng.integers(0, classes, size=(batch,)), dtype=tf.int32)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    variables = model.trainable_variables
+
+    def step() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+        t_in = tf.timestamp()
+        with tf.control_dependencies([t_in]):
+            inputs = tf.identity(x)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(inputs, training=True))
+        with tf.control_dependencies([loss]):
+            t_loss = tf.timestamp()
+            seed = tf.ones_like(loss)
+        with tf.control_dependencies([t_loss]):
+            seed = tf.identity(seed)
+        grads = tape.gradient(loss, variables, output_gradients=seed)
+        stamps = []
+        for g in grads:
+            with tf.control_dependencies([g]):
+                stamps.append(tf.timestamp())
+        total = tf.add_n([tf.reduce_sum(g) for g in grads])
+        return t_in, t_loss, tf.stack(stamps), total
+
+    fn = tf.compat.v1.wrap_function(step, signature=[])
+    for _ in range(warmup):
+        fn()
+    rel, fwd = [], []
+    for _ in range(steps):
+        t_in, t_loss, stamps, _ = fn()
+        rel.append((stamps - t_loss).numpy())
+        fwd.append(float(t_loss - t_in))
+    ready = np.maximum(np.median(np.stack(rel), axis=0), 0.0)
+    backward = float(np.median(np.max(np.stack(rel), axis=1)))
+    return [float(t) for t in ready], statistics.median(fwd), backward
+
+
+def _order_inversions(ready: Sequence[float]) -> float:
+    """Fraction of tensor pairs ready in the opposite order to ``execution_order``."""
+    order = list(range(len(ready)))[::-1]
+    pairs = inv = 0
+    for a in range(len(order)):
+        for b in range(a + 1, len(order)):
+            pairs += 1
+            inv += ready[order[a]] > ready[order[b]]
+    return inv / pairs if pairs else 0.0
+
+
+def _sim_summary(result: dict) -> dict:
+    return {
+        "collectives": result["collectives"],
+        "fused_bytes_per_cycle": result["fused_bytes_per_cycle"],
+        "largest_bytes": result["largest_bytes"], "smallest_bytes": result["smallest_bytes"],
+        "imbalance": _num(result["imbalance"]),
+        "last_start_s": _num(result["last_start_s"], 6),
+    }
+
+
+def simulation_section(model_name: str, image_size: int, batch: int, warmup: int, steps: int,
+                       cycle_ms: float, buffer_divisor: int) -> dict:
+    """``simulation``: measured ready times through the balanced and Horovod schedulers."""
+    model = build_model(model_name, image_size)
+    specs = tensor_specs(model.trainable_variables)
+    ready, forward_s, backward_s = measure_ready_times(model, batch, image_size, warmup, steps)
+    del model
+    gc.collect()
+    total = sum(s.nbytes for s in specs)
+    buffer_bytes = max(1, total // buffer_divisor)
+    cycle_s = cycle_ms / 1000
+    plan = plan_balanced(specs, buffer_bytes)
+    return {
+        "model": model_name, "image_size": image_size, "batch": batch, "warmup": warmup,
+        "steps": steps, "tensors": len(specs), "total_bytes": total,
+        "buffer_bytes": buffer_bytes, "cycle_s": cycle_s,
+        "forward_s": _num(forward_s, 6), "backward_s": _num(backward_s, 6),
+        "ready_order_inversions": _num(_order_inversions(ready)),
+        "ready_times_s": [round(t, 6) for t in ready],
+        "methods": {
+            "balanced": _sim_summary(simulate(plan, ready, cycle_s)),
+            "horovod_cycles": _sim_summary(
+                simulate_greedy_cycles(specs, ready, cycle_s, buffer_bytes)),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- step time
+
+
+def _reduce(ctx: tf.distribute.ReplicaContext, grads: list[tf.Tensor], method: str,
+            plan: FusionPlan, pack_bytes: int) -> list[tf.Tensor]:
+    """SUM-all-reduces ``grads`` across replicas with one of :data:`STEP_METHODS`."""
+    op = tf.distribute.ReduceOp.SUM
+    if method == "per_tensor":
+        return [ctx.all_reduce(op, g) for g in grads]
+    if method == "tf_default":
+        return list(ctx.all_reduce(op, grads))
+    if method == "tf_bytes_per_pack":
+        options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=pack_bytes)
+        return list(ctx.all_reduce(op, grads, options=options))
+    if method != "balanced":
+        raise ValueError(f"unknown method {method!r}")
+    out: list[tf.Tensor | None] = [None] * len(grads)
+    for group in plan.groups:
+        members = list(group.members)
+        parts = [tf.reshape(grads[i], [-1]) for i in members]
+        summed = ctx.all_reduce(op, parts[0] if len(parts) == 1 else tf.concat(parts, 0))
+        sizes = [int(grads[i].shape.num_elements()) for i in members]
+        pieces = tf.split(summed, sizes) if len(sizes) > 1 else [summed]
+        for i, piece in zip(members, pieces):
+            out[i] = tf.reshape(piece, grads[i].shape)
+    return out  # type: ignore[return-value]
+
+
+def make_train_step(strategy: tf.distribute.Strategy, model: keras.Model, method: str,
+                    plan: FusionPlan, pack_bytes: int, batch: int,
+                    lr: float = 1e-3) -> Any:
+    """A ``tf.function`` running one 2-replica SGD step with the given gradient reduction."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction="sum")
+    variables = model.trainable_variables
+
+    def apply(strat: tf.distribute.Strategy, pairs: list[tuple[Any, Any]]) -> None:
+        for grad, var in pairs:
+            strat.extended.update(var, lambda v, g: v.assign_sub(lr * g), args=(grad,))
+
+    def replica_fn(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        ctx = tf.distribute.get_replica_context()
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) / (batch * ctx.num_replicas_in_sync)
+        grads = tape.gradient(loss, variables)
+        reduced = _reduce(ctx, grads, method, plan, pack_bytes)
+        ctx.merge_call(apply, args=(list(zip(reduced, [v.value for v in variables])),))
+        return loss
+
+    @tf.function
+    def train_step(x: Any, y: Any) -> tf.Tensor:
+        per_replica = strategy.run(replica_fn, args=(x, y))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return train_step
+
+
+def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_size: int,
+                      batch: int, warmup: int, repeats: int, pack_mib: float,
+                      classes: int = 10) -> dict:
+    """``step_time``: the four reductions timed interleaved (A B C D A B C D ...)."""
+    with strategy.scope():
+        model = build_model(model_name, image_size, classes)
+    specs = tensor_specs(model.trainable_variables)
+    pack_bytes = int(round(pack_mib * MIB))
+    plan = plan_balanced(specs, pack_bytes)
+    collectives = {
+        "per_tensor": len(specs), "tf_default": 1,
+        "tf_bytes_per_pack": len(plan_tf_group_by_size(specs, pack_bytes).groups),
+        "balanced": len(plan.groups),
+    }
+
+    def data(ctx: tf.distribute.experimental.ValueContext, labels: bool) -> tf.Tensor:
+        rng = np.random.default_rng(ctx.replica_id_in_sync_group)
+        if labels:
+            return tf.constant(rng.integers(0, classes, size=(batch,)), dtype=tf.int32)
+        return tf.constant(rng.standard_normal((batch, image_size, image_size, 3),
+                                               dtype=np.float32))
+
+    x = strategy.experimental_distribute_values_from_function(lambda c: data(c, False))
+    y = strategy.experimental_distribute_values_from_function(lambda c: data(c, True))
+    steps = {m: make_train_step(strategy, model, m, plan, pack_bytes, batch)
+             for m in STEP_METHODS}
+    trace_s = {}
+    for m, fn in steps.items():
+        t0 = time.perf_counter()
+        fn(x, y).numpy()
+        trace_s[m] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {m: [] for m in STEP_METHODS}
+    for r in range(warmup + repeats):
+        for m, fn in steps.items():
+            t0 = time.perf_counter()
+            fn(x, y).numpy()
+            if r >= warmup:
+                times[m].append(1000 * (time.perf_counter() - t0))
+    median = {m: statistics.median(t) for m, t in times.items()}
+    return {
+        "model": model_name, "image_size": image_size, "batch_per_replica": batch,
+        "replicas": strategy.num_replicas_in_sync,
+        "cross_device_ops": type(strategy.extended._cross_device_ops).__name__,
+        "variables": len(specs), "total_bytes": sum(s.nbytes for s in specs),
+        "buffer_bytes": pack_bytes, "warmup": warmup, "repeats": repeats,
+        "update": UPDATE_NOTE,
+        "methods": {m: {
+            "median_ms": round(median[m], 3), "times_ms": [round(t, 3) for t in times[m]],
+            "ratio_vs_tf_default": round(median[m] / median["tf_default"], 4),
+            "collectives_per_step": collectives[m], "first_call_s": round(trace_s[m], 3),
+        } for m in STEP_METHODS},
+    }
+
+
+# ----------------------------------------------------------------------------------- run
+
+
+def run(buffer_mib: Sequence[float] = (4, 16, 25, 64),
+        plan_models: Sequence[str] = ("resnet50", "vgg16"),
+        sim_model: str = "resnet50", sim_image_size: int = 64, sim_batch: int = 8,
+        sim_warmup: int = 3, sim_steps: int = 5, cycle_ms: float = 5.0,
+        sim_buffer_divisor: int = 8, step_model: str = "resnet50", step_image_size: int = 32,
+        step_batch: int = 8, warmup: int = 2, repeats: int = 11, pack_mib: float = 4.0,
+        strategy: tf.distribute.Strategy | None = None) -> dict:
+    """Runs the three sections and returns the record printed by the script.
+
+    Args:
+        strategy: The ``MirroredStrategy`` over two CPU devices to time the step on.  ``None``
+            creates the logical CPUs (TF must not be initialised yet) and one strategy; pass
+            one when the process already has one (TF gives every instance the same
+            collective keys, so two instances that both run collectives clash).
+        Others: as the flags of the same names.
+    """
+    if strategy is None:
+        ensure_logical_cpus(2)
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    t0 = time.perf_counter()
+    plans = plans_section(plan_models, [float(m) for m in buffer_mib])
+    t1 = time.perf_counter()
+    simulation = simulation_section(sim_model, sim_image_size, sim_batch, sim_warmup, sim_steps,
+                                    cycle_ms, sim_buffer_divisor)
+    t2 = time.perf_counter()
+    step_time = step_time_section(strategy, step_model, step_image_size, step_batch, warmup,
+                                  repeats, pack_mib)
+    t3 = time.perf_counter()
+    return {
+        "plans": plans, "simulation": simulation, "step_time": step_time,
+        "section_seconds": {"plans": round(t1 - t0, 2), "simulation": round(t2 - t1, 2),
+                            "step_time": round(t3 - t2, 2)},
+        "machine": machine_info(),
+    }
+
+
+def main(argv: list[str]) -> None:
+    """Prints :func:`run`'s record for the flags as one JSON object."""
+    del argv
+    ensure_logical_cpus(2)
+    print(json.dumps(run(
+        buffer_mib=[float(m) for m in FLAGS.buffer_mib], plan_models=FLAGS.plan_models,
+        sim_model=FLAGS.sim_model, sim_image_size=FLAGS.sim_image_size,
+        sim_batch=FLAGS.sim_batch, sim_warmup=FLAGS.sim_warmup, sim_steps=FLAGS.sim_steps,
+        cycle_ms=FLAGS.cycle_ms, sim_buffer_divisor=FLAGS.sim_buffer_divisor,
+        step_model=FLAGS.step_model, step_image_size=FLAGS.step_image_size,
+        step_batch=FLAGS.step_batch, warmup=FLAGS.warmup, repeats=FLAGS.repeats,
+        pack_mib=FLAGS.pack_mib)))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,90 @@
+"""launch/bench_fusion.py: the record's schema on tiny settings (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tensorflow as tf
+
+from launch import bench_fusion
+from tf_blocksparse.planning import TensorSpec, plan_balanced
+
+PLAN_METHODS = {"balanced", "tf_group_by_size", "ddp", "horovod_greedy"}
+REPEATS = 2
+
+
+@pytest.fixture(scope="module")
+def record(mirrored2: tf.distribute.MirroredStrategy) -> dict:
+    """One tiny run, on the session's MirroredStrategy (never a second instance)."""
+    return bench_fusion.run(
+        buffer_mib=(4, 25), plan_models=("resnet50",), sim_model="small_cnn",
+        sim_image_size=16, sim_batch=2, sim_warmup=1, sim_steps=2, cycle_ms=1.0,
+        step_model="small_cnn", step_image_size=16, step_batch=2, warmup=1, repeats=REPEATS,
+        pack_mib=0.02, strategy=mirrored2)
+
+
+def test_record_is_strict_json(record: dict) -> None:
+    assert json.loads(json.dumps(record, allow_nan=False)) == record
+    assert {"plans", "simulation", "step_time", "machine"} <= set(record)
+    assert record["machine"]["device"] in {"CPU", "GPU"}
+    assert record["machine"]["cpus"] > 0
+
+
+def test_plans_schema_and_balanced_min_count(record: dict) -> None:
+    plans = record["plans"]["resnet50"]
+    assert plans["tensors"] > 100 and plans["total_bytes"] > 0
+    assert [b["buffer_mib"] for b in plans["buffers"]] == [4.0, 25.0]
+    for buf in plans["buffers"]:
+        assert set(buf["methods"]) == PLAN_METHODS
+        for row in buf["methods"].values():
+            assert row["groups"] > 0
+            assert row["largest_bytes"] >= row["smallest_bytes"] > 0
+            assert row["imbalance"] >= 1.0
+            assert 1.0 <= row["imbalance_excluding_oversized"] <= row["imbalance"]
+            assert row["oversized_groups"] >= 0
+        balanced = buf["methods"]["balanced"]
+        assert balanced["groups"] == buf["greedy_min_groups"]
+        assert buf["greedy_min_groups"] == buf["methods"]["horovod_greedy"]["groups"]
+        assert buf["balanced_is_min_count"] is True
+        assert isinstance(buf["balanced_meets_1_25"], bool)
+        assert buf["balanced_meets_1_25"] == (
+            balanced["imbalance_excluding_oversized"] <= bench_fusion.BALANCE_TARGET)
+
+
+def test_simulation_schema(record: dict) -> None:
+    sim = record["simulation"]
+    assert len(sim["ready_times_s"]) == sim["tensors"] > 0
+    assert all(t >= 0 for t in sim["ready_times_s"])
+    assert sim["backward_s"] > 0 and sim["forward_s"] > 0 and sim["buffer_bytes"] > 0
+    assert 0.0 <= sim["ready_order_inversions"] <= 1.0
+    assert set(sim["methods"]) == {"balanced", "horovod_cycles"}
+    for row in sim["methods"].values():
+        flat = [b for cycle in row["fused_bytes_per_cycle"] for b in cycle]
+        assert sum(flat) == sim["total_bytes"]
+        assert row["collectives"] == len(flat) > 0
+        assert row["largest_bytes"] >= row["smallest_bytes"] > 0
+        assert row["last_start_s"] >= 0
+
+
+def test_step_time_schema(record: dict) -> None:
+    step = record["step_time"]
+    assert step["replicas"] == 2
+    assert set(step["methods"]) == set(bench_fusion.STEP_METHODS)
+    for row in step["methods"].values():
+        assert row["median_ms"] > 0 and row["ratio_vs_tf_default"] > 0
+        assert len(row["times_ms"]) == REPEATS and all(t > 0 for t in row["times_ms"])
+        assert row["collectives_per_step"] >= 1
+    assert step["methods"]["tf_default"]["ratio_vs_tf_default"] == 1.0
+    assert step["methods"]["per_tensor"]["collectives_per_step"] == step["variables"]
+    assert step["methods"]["balanced"]["collectives_per_step"] > 1
+
+
+def test_imbalance_excluding_oversized_drops_lone_big_tensors() -> None:
+    specs = [TensorSpec(f"t{i}", n) for i, n in enumerate([10, 10, 100, 12, 9])]
+    plan = plan_balanced(specs, 30)
+    ratio, oversized = bench_fusion.imbalance_excluding_oversized(plan)
+    assert oversized == 1
+    kept = [g.nbytes for g in plan.groups if g.nbytes <= 30]
+    assert ratio == max(kept) / min(kept)
+    assert plan.imbalance > ratio
