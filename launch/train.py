@@ -49,18 +49,6 @@ def make_strategy(name: str, num_devices: int):
     return tf.distribute.get_strategy()
 
 
-def worker_info(strategy) -> tuple[int, int, bool]:
-    """``(num_workers, worker_index, is_chief)`` of this process."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.cluster_spec().as_dict():
-        return 1, 0, True
-    spec = resolver.cluster_spec().as_dict()
-    workers = len(spec.get("worker", [])) + len(spec.get("chief", []))
-    index = int(resolver.task_id or 0) + (1 if "chief" in spec and
-                                         resolver.task_type == "worker" else 0)
-    return workers, index, index == 0
-
-
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
                    exchange: str, lr: float, momentum: float):
     """SGD(momentum) inside the wrapper that ``--compression`` asks for."""
@@ -95,24 +83,22 @@ def _dump_restored(path: str, index: int):
     return Dump()
 
 
-class _FailAt:
-    """Fault injection: ``os._exit(17)`` after ``step`` training steps on one worker."""
+def _fail_at(step: int):
+    """Fault injection: a callback that ``os._exit(17)``-s after ``step`` training steps."""
+    import keras
 
-    def __new__(cls, step: int):
-        import keras
+    class Fail(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = 0
 
-        class Fail(keras.callbacks.Callback):
-            def __init__(self) -> None:
-                super().__init__()
-                self.seen = 0
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if self.seen >= step:
+                print(f"fault injection: exiting after {self.seen} steps", flush=True)
+                os._exit(17)
 
-            def on_train_batch_end(self, batch, logs=None):
-                self.seen += 1
-                if self.seen >= step:
-                    print(f"fault injection: exiting after {self.seen} steps", flush=True)
-                    os._exit(17)
-
-        return Fail()
+    return Fail()
 
 
 def run(argv_flags=FLAGS) -> dict:
@@ -126,7 +112,9 @@ def run(argv_flags=FLAGS) -> dict:
 
     f = argv_flags
     strategy = make_strategy(f.strategy, f.num_devices)
-    num_workers, index, chief = worker_info(strategy)
+    from tf_blocksparse.distribute.strategy import worker_role
+
+    num_workers, index, chief = worker_role(strategy)
     arrays = pipeline.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
                                   f.synthetic_shape, f.train_samples, f.seed, f.test_samples)
     train_ds, steps = pipeline.train_dataset(arrays, f.batch_size, num_workers, index, f.seed)
@@ -155,7 +143,7 @@ def run(argv_flags=FLAGS) -> dict:
     if f.dump_restored:
         callbacks.append(_dump_restored(f.dump_restored, index))
     if f.fail_at_step >= 0 and index == f.fail_worker:
-        callbacks.append(_FailAt(f.fail_at_step))
+        callbacks.append(_fail_at(f.fail_at_step))
     test_ds = pipeline.test_dataset(arrays, 256)
     t0 = time.perf_counter()
     hist = model.fit(train_ds, epochs=f.epochs, steps_per_epoch=steps, callbacks=callbacks,

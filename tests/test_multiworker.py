@@ -2,39 +2,21 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
-import portpicker
 import pytest
+
+from launch.local_cluster import run_local_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_cluster(tmp_path, exchange: str, timeout: float = 240) -> None:
-    ports = [portpicker.pick_unused_port() for _ in range(2)]
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
-    procs = []
-    for i in range(2):
-        env = dict(os.environ, TF_CONFIG=json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": i}}),
-            PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
-        log = open(tmp_path / f"worker_{i}.log", "w")
-        procs.append((subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tests", "mwms_worker.py"), str(tmp_path),
-             exchange], env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    try:
-        for i, (p, _) in enumerate(procs):
-            rc = p.wait(timeout=timeout)
-            if rc != 0:
-                tail = (tmp_path / f"worker_{i}.log").read_text()[-3000:]
-                pytest.fail(f"worker {i} exited with {rc}:\n{tail}")
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-            log.close()
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "mwms_worker.py"), str(tmp_path),
+           exchange]
+    rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": ROOT}, timeout_s=timeout)
+    assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs above)"
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "shared"])

@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_blocksparse import blocks, selection
+from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse.distribute.batches import is_gradient_batch
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
 
@@ -131,9 +131,9 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
                 for r, s in zip(state[d], new_state):
                     r.assign(s)
                 payloads.append(payload)
-        self.payload_bytes = sum(4 * i.shape[0] + v.shape.num_elements() * v.dtype.size
-                                 for i, v in zip(payloads[0].ids, payloads[0].values))
-        self.dense_bytes = sum(lay.size * dt.size for lay, dt in zip(layouts, dtypes))
+        self.payload_bytes = sum(codec.buffer_nbytes(t)
+                                 for t in (*payloads[0].ids, *payloads[0].values))
+        self.dense_bytes = sum(codec.buffer_nbytes(v.values[0]) for v in values)
         results = []
         with tf.device(devices[0]):
             for i, (lay, (_, dest)) in enumerate(zip(comp.layouts, value_destination_pairs)):

@@ -13,16 +13,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_blocksparse import codec
 from tf_blocksparse.distribute.batches import is_gradient_batch
-from tf_blocksparse.planning.fusion import FusionPlan, TensorSpec, execution_order, plan_balanced
-
-
-def plan_for_shapes(shapes: list[tuple[int, ...]], dtypes: list[tf.DType],
-                    buffer_bytes: int) -> FusionPlan:
-    """The balanced plan of a gradient batch (backward order = reverse of variable order)."""
-    specs = [TensorSpec(f"gradient_{i}", int(tf.TensorShape(s).num_elements()) * dt.size,
-                        dt.name) for i, (s, dt) in enumerate(zip(shapes, dtypes))]
-    return plan_balanced(specs, buffer_bytes, execution_order(len(specs)))
+from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
 
 
 class FusedCrossDeviceOps(tf.distribute.ReductionToOneDevice):
@@ -59,7 +52,8 @@ class FusedCrossDeviceOps(tf.distribute.ReductionToOneDevice):
             if self.plan is not None:
                 raise ValueError(f"`plan` covers {len(plan.tensors)} tensors, the gradient "
                                  f"batch has {len(values)}")
-            plan = plan_for_shapes(shapes, dtypes, self.buffer_bytes)
+            plan = plan_backward([codec.buffer_nbytes(v.values[0]) for v in values],
+                                 [dt.name for dt in dtypes], self.buffer_bytes)
         devices = [t.device for t in values[0].values]
         results: list[Any] = [None] * len(values)
         for group in plan.groups:

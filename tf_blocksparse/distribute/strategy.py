@@ -8,7 +8,7 @@ reduces leaf by leaf and drops ``axis`` for scalars.  Everything else is TF's st
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
@@ -33,3 +33,25 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=ax)
 
         return tf.nest.map_structure(leaf, value)
+
+
+class WorkerRole(NamedTuple):
+    """This process's place in the cluster: worker count, global index (the chief, if the
+    cluster names one, is 0), and whether it is the chief (writes checkpoints and logs)."""
+
+    num_workers: int
+    index: int
+    is_chief: bool
+
+
+def worker_role(strategy: tf.distribute.Strategy) -> WorkerRole:
+    """The :class:`WorkerRole` of this process under ``strategy`` (1, 0, True without one)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if not spec:
+        return WorkerRole(1, 0, True)
+    has_chief = "chief" in spec
+    workers = len(spec.get("worker", [])) + len(spec.get("chief", []))
+    index = int(resolver.task_id or 0) + (1 if has_chief and resolver.task_type == "worker"
+                                          else 0)
+    return WorkerRole(workers, index, index == 0)

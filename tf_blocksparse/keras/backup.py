@@ -16,15 +16,7 @@ import shutil
 import keras
 import tensorflow as tf
 
-
-def _worker(strategy: tf.distribute.Strategy) -> tuple[bool, int]:
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.cluster_spec().as_dict():
-        return True, 0
-    task_type, task_id = resolver.task_type, int(resolver.task_id or 0)
-    has_chief = "chief" in resolver.cluster_spec().as_dict()
-    chief = task_type == "chief" or (not has_chief and task_type == "worker" and task_id == 0)
-    return chief, task_id
+from tf_blocksparse.distribute.strategy import worker_role
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -45,12 +37,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._is_chief, task_id = _worker(
+        role = worker_role(
             getattr(self.model, "distribute_strategy", None) or tf.distribute.get_strategy())
+        self._is_chief = role.is_chief
         self._use_dir(self._chief_dir)  # everybody restores from the chief's files
         super().on_train_begin(logs)
         if not self._is_chief:
-            self._use_dir(f"{self._chief_dir.rstrip('/')}.worker_{task_id}")
+            self._use_dir(f"{self._chief_dir.rstrip('/')}.worker_{role.index}")
 
     def _save_model(self) -> None:
         os.makedirs(self.backup_dir, exist_ok=True)  # workers may race to create parents

@@ -7,6 +7,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_blocksparse.distribute.strategy import worker_role
 from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 
 
@@ -50,8 +51,7 @@ class BlockSparseMetrics(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         strategy = getattr(self.model, "distribute_strategy", None) or \
             tf.distribute.get_strategy()
-        chief = getattr(strategy.extended, "should_checkpoint", True)
-        if self.log_dir and chief and self._writer is None:
+        if self.log_dir and worker_role(strategy).is_chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(f"{self.log_dir}/block_sparse")
 
     def _read(self) -> dict[str, float]:

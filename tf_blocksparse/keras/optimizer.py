@@ -30,10 +30,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import blocks, selection
+from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse import exchange as exchange_lib
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
-from tf_blocksparse.planning.fusion import TensorSpec, execution_order, plan_balanced
+from tf_blocksparse.planning.fusion import plan_backward
 
 NONFINITE = ("skip", "apply")
 GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
@@ -241,9 +241,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         """Positions of ``grads`` per fusion group, in backward order (one group if unset)."""
         if self.fusion_buffer_bytes is None:
             return [list(range(len(grads)))]
-        specs = [TensorSpec(f"g{i}", int(g.shape.num_elements()) * g.dtype.size, g.dtype.name)
-                 for i, g in enumerate(grads)]
-        plan = plan_balanced(specs, self.fusion_buffer_bytes, execution_order(len(specs)))
+        plan = plan_backward([codec.buffer_nbytes(g) for g in grads],
+                             [g.dtype.name for g in grads], self.fusion_buffer_bytes)
         return [list(group.members) for group in plan.groups]
 
     def _when_finite(self, finite: tf.Tensor, fn: Any) -> None:

@@ -14,6 +14,7 @@ from .fusion import (
     TensorSpec,
     compare_plans,
     execution_order,
+    plan_backward,
     plan_balanced,
     plan_ddp,
     plan_horovod_greedy,
@@ -23,6 +24,6 @@ from .schedule import FusionScheduler, simulate, simulate_greedy_cycles
 
 __all__ = [
     "FusionGroup", "FusionPlan", "FusionScheduler", "TensorSpec", "compare_plans",
-    "execution_order", "plan_balanced", "plan_ddp", "plan_horovod_greedy",
+    "execution_order", "plan_backward", "plan_balanced", "plan_ddp", "plan_horovod_greedy",
     "plan_tf_group_by_size", "simulate", "simulate_greedy_cycles",
 ]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "FusionGroup", "FusionPlan", "TensorSpec", "compare_plans", "execution_order",
-    "plan_balanced", "plan_ddp", "plan_horovod_greedy", "plan_tf_group_by_size",
+    "plan_backward", "plan_balanced", "plan_ddp", "plan_horovod_greedy", "plan_tf_group_by_size",
 ]
 
 
@@ -351,6 +351,24 @@ def plan_horovod_greedy(tensors: Sequence[TensorSpec], fusion_bytes: int = 128 *
         runs[-1].append(i)
         acc += t.nbytes
     return _make_plan("horovod_greedy", fusion_bytes, tensors, runs)
+
+
+def plan_backward(nbytes: Sequence[int], dtypes: Sequence[str], buffer_bytes: int,
+                  names: Sequence[str] | None = None) -> FusionPlan:
+    """The balanced plan of gradients listed in forward (variable) order.
+
+    Args:
+      nbytes: Bytes of each gradient, in the order of the model's variables.
+      dtypes: Their dtype names.
+      buffer_bytes: The fusion buffer size.
+      names: Optional names (default ``gradient_<i>``).
+
+    Returns:
+      :func:`plan_balanced` over the backward order (the reverse of the variable order).
+    """
+    names = names or [f"gradient_{i}" for i in range(len(nbytes))]
+    specs = [TensorSpec(n, int(b), d) for n, b, d in zip(names, nbytes, dtypes)]
+    return plan_balanced(specs, buffer_bytes, execution_order(len(specs)))
 
 
 def compare_plans(tensors: Sequence[TensorSpec], buffer_bytes: int) -> list[dict]:
