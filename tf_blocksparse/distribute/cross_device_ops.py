@@ -11,8 +11,17 @@ pass-through (reduce to one device, then broadcast).
 
 Variables are identified by position and shape in the gradient batch; give ``model=`` so
 the block-rule table sees their layer classes (otherwise rank-2+ tensors split along the
-last axis, vectors per element).  Unlike the optimizer wrapper, non-finite gradients are
-not skipped here (they reach the optimizer as with dense reduction).
+last axis, vectors per element).
+
+Checkpoints: the residuals hang off :attr:`BlockSparseCrossDeviceOps.state`, a
+``tf.Module``; put it in a ``tf.train.Checkpoint`` beside the model and optimizer
+(``tf.train.Checkpoint(model=m, optimizer=o, residuals=ops.state)``).  Restoring before the
+first step works: the residuals are created on first use and take the restored values then.
+
+Non-finite gradients: when any device's gradient batch holds a NaN or Inf, the residuals are
+left unchanged and the *dense* sum goes to the optimizer (so its values are non-finite, as with
+the default reduction, and a ``LossScaleOptimizer`` skips the step).  A plain optimizer cannot
+be told to skip from here; use ``BlockSparseOptimizer(nonfinite="skip")`` for that.
 """
 
 from __future__ import annotations
@@ -27,6 +36,14 @@ from tf_blocksparse.distribute.batches import is_gradient_batch
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
 
 _SPARSE_EXCHANGES = ("allgather", "shared")
+
+
+class _ResidualState(tf.Module):
+    """Trackable holder of the per-device residuals (``batches[i][device][gradient]``)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="block_sparse_residuals")
+        self.batches: list[list[list[tf.Variable]]] = []
 
 
 class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
@@ -60,6 +77,7 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         self.block_rules = dict(block_rules or {})
         self._model = model
         self._residuals: dict[tuple, list[list[tf.Variable]]] = {}
+        self.state = _ResidualState()
         self.payload_bytes = 0  # per device per step, set when a gradient batch is traced
         self.dense_bytes = 0
 
@@ -89,7 +107,9 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
                             tf.Variable(tf.zeros(lay.shape, dt), trainable=False,
                                         name=f"residual_{i}_replica_{d}")
                             for i, (lay, dt) in enumerate(zip(layouts, dtypes))])
-            self._residuals[key] = per_device
+            with tf.init_scope():  # tracking restores values from a pending checkpoint
+                self.state.batches.append(per_device)
+                self._residuals[key] = self.state.batches[-1]
         return self._residuals[key]
 
     @property
@@ -111,11 +131,14 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         comp_cls = ElementTopK if self.granularity == "element" else BlockTopK
         comp = comp_cls(layouts, self.k, self.density, self.metric)
         state = self._state((tuple(devices), tuple(shapes)), devices, layouts, dtypes)
-        prepared = []
+        prepared, flags = [], []
         for d, dev in enumerate(devices):
             with tf.device(dev):
                 grads = [v.values[d] for v in values]
+                flags.append(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
                 prepared.append(comp.prepare(grads, [r.read_value() for r in state[d]]))
+        with tf.device(devices[0]):
+            finite = tf.reduce_all(tf.stack(flags))
         with tf.device(devices[0]):
             if self.exchange == "shared":
                 summed = [tf.add_n([p.scores[i] for p in prepared]) for i in range(len(values))]
@@ -129,7 +152,7 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
                 chosen = ids[d] if ids[d] is not None else comp.select(prepared[d].scores)
                 payload, new_state = comp.finish(prepared[d], chosen)
                 for r, s in zip(state[d], new_state):
-                    r.assign(s)
+                    r.assign(tf.where(finite, s, r.read_value()))
                 payloads.append(payload)
         self.payload_bytes = sum(codec.buffer_nbytes(t)
                                  for t in (*payloads[0].ids, *payloads[0].values))
@@ -140,5 +163,8 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
                 rows = tf.concat([p.values[i] for p in payloads], axis=0)
                 row_ids = tf.concat([p.ids[i] for p in payloads], axis=0)
                 update = selection.scatter_blocks(rows, row_ids, lay)
+                dense = values[i].values
+                update = tf.cond(finite, lambda u=update: u,
+                                 lambda d=dense: tf.add_n([tf.identity(t) for t in d]))
                 results.append(self.broadcast_implementation(update, dest))
         return results

@@ -33,7 +33,7 @@ import tensorflow as tf
 from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse import exchange as exchange_lib
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
-from tf_blocksparse.planning.fusion import plan_backward
+from tf_blocksparse.planning.balanced import plan_backward
 
 NONFINITE = ("skip", "apply")
 GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}

@@ -1,29 +1,56 @@
 """Pure-Python planners (no TensorFlow import): decide offline, before a strategy exists.
 
-- :mod:`~tf_blocksparse.planning.fusion`: balanced tensor fusion (SPEC S1) and the TF / DDP /
-  Horovod bucketing baselines.
+- :mod:`~tf_blocksparse.planning.fusion`: fusion plans (SPEC S1) and the TF / DDP / Horovod
+  bucketing baselines; :mod:`~tf_blocksparse.planning.balanced`: the balanced planner.
 - :mod:`~tf_blocksparse.planning.schedule`: the online per-cycle fusion scheduler and a cycle
   simulator.
+- :mod:`~tf_blocksparse.planning.profile` (per-layer model profiles),
+  :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths),
+  :mod:`~tf_blocksparse.planning.pipeline_cost` (pipeline plans and their cost model),
+  :mod:`~tf_blocksparse.planning.pipeline` (the bandwidth-aware pipeline planner, SPEC S3, with
+  exhaustive and brute-force checks), :mod:`~tf_blocksparse.planning.pipeline_baselines`
+  (PipeDream and bandwidth-oblivious baselines) and
+  :mod:`~tf_blocksparse.planning.pipeline_sim` (GPipe / 1F1B schedule simulator).
 
 Other planners (e.g. pipeline partitioning) live beside these as sibling modules.
 """
 
+from .balanced import compare_plans, min_imbalance, plan_backward, plan_balanced
 from .fusion import (
     FusionGroup,
     FusionPlan,
     TensorSpec,
-    compare_plans,
     execution_order,
-    plan_backward,
-    plan_balanced,
     plan_ddp,
     plan_horovod_greedy,
     plan_tf_group_by_size,
 )
+from .pipeline import (
+    PipelinePlan,
+    Stage,
+    evaluate_stages,
+    make_plan,
+    plan_bruteforce,
+    plan_cost,
+    plan_exhaustive,
+    plan_pipeline,
+    stage_time,
+    validate_plan,
+)
+from .pipeline_baselines import compare_pipeline_plans, plan_oblivious, plan_pipedream
+from .pipeline_sim import schedule_order, simulate_pipeline
+from .profile import LayerProfile, ModelProfile, random_profile, synthetic_profile
 from .schedule import FusionScheduler, simulate, simulate_greedy_cycles
+from .topology import Topology, homogeneous, random_heterogeneous, two_level
 
 __all__ = [
     "FusionGroup", "FusionPlan", "FusionScheduler", "TensorSpec", "compare_plans",
-    "execution_order", "plan_backward", "plan_balanced", "plan_ddp", "plan_horovod_greedy",
-    "plan_tf_group_by_size", "simulate", "simulate_greedy_cycles",
+    "execution_order", "min_imbalance", "plan_backward", "plan_balanced", "plan_ddp",
+    "plan_horovod_greedy", "plan_tf_group_by_size", "simulate", "simulate_greedy_cycles",
+    # pipeline planning (SPEC S3)
+    "LayerProfile", "ModelProfile", "PipelinePlan", "Stage", "Topology",
+    "compare_pipeline_plans", "evaluate_stages", "homogeneous", "make_plan", "plan_bruteforce",
+    "plan_cost", "plan_exhaustive", "plan_oblivious", "plan_pipedream", "plan_pipeline",
+    "random_heterogeneous", "random_profile", "schedule_order", "simulate_pipeline",
+    "stage_time", "synthetic_profile", "two_level", "validate_plan",
 ]
