@@ -2,14 +2,15 @@
 
 Core (no adapters imported by it): :mod:`~tf_blocksparse.blocks` (block-rule table),
 :mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.feedback`,
-:mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.exchange`, and the TF-free planners in
+:mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.exchange`,
+:mod:`~tf_blocksparse.clipping`, and the TF-free planners in
 :mod:`tf_blocksparse.planning` (those modules import no TensorFlow themselves).  Adapters:
 :mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.  The adapters are imported
 here so that ``import tf_blocksparse`` registers the optimizer with Keras (``.keras`` files
 that use it load after that import).
 """
 
-from tf_blocksparse import planning
+from tf_blocksparse import clipping, planning
 from tf_blocksparse.blocks import BlockLayout, BlockRule, block_table, format_block_table
 from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
 from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps
@@ -23,6 +24,7 @@ __all__ = [
     "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseCrossDeviceOps",
     "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "ElementTopK",
     "FusedCrossDeviceOps",
-    "MultiWorkerMirroredStrategy", "Payload", "block_table", "format_block_table", "planning",
+    "MultiWorkerMirroredStrategy", "Payload", "block_table", "clipping", "format_block_table",
+    "planning",
 ]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 Per step, on every replica (``model.fit`` and ``strategy.run`` both call ``apply`` in replica
 context with the replica's own, un-aggregated gradients)::
 
+    grad = clip(grad)                                        # optional, per variable
     acc = grad + residual; select blocks; exchange (allgather | shared | dense)
     residual = acc with the selected blocks zeroed          # per-replica state
     inner.apply(summed update)                               # identical on every replica
@@ -31,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import blocks, codec, selection
+from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse import exchange as exchange_lib
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
 from tf_blocksparse.planning.balanced import plan_backward
@@ -94,6 +96,9 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         groups (contiguous in backward order, see :mod:`tf_blocksparse.planning.fusion`),
         one set of collectives per group, so the last layers' exchange can start while
         backward still runs.  Default: one group for all variables.
+      clipping: Optional rule or list of rules of :mod:`tf_blocksparse.clipping`, applied
+        to each replica's local gradient of each variable before error feedback and the
+        exchange (their state is per replica and saved with the optimizer).
       name: Optimizer name.
     """
 
@@ -102,7 +107,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  exchange: str = "allgather", nonfinite: str = "skip",
                  block_rules: Mapping[str, str] | None = None, model: Any = None,
                  granularity: str = "block", fusion_buffer_bytes: int | None = None,
-                 name: str | None = None, **kwargs: Any):
+                 clipping: Any = None, name: str | None = None, **kwargs: Any):
         if not isinstance(inner, keras.optimizers.Optimizer):
             raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
@@ -128,6 +133,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"`nonfinite` must be one of {NONFINITE}, got {nonfinite!r}")
         for rule in (block_rules or {}).values():
             blocks._as_rule(rule, "block_rules")
+        rules = clipping_lib.as_rules(clipping)
         kwargs.pop("learning_rate", None)
         if kwargs:
             raise ValueError(f"BlockSparseOptimizer does not take {sorted(kwargs)}; set them "
@@ -140,11 +146,13 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self.nonfinite = nonfinite
         self.granularity = granularity
         self.fusion_buffer_bytes = fusion_buffer_bytes
+        self.clipping = rules
         self.block_rules = dict(block_rules or {})
         self._model = model
         inner._all_reduce_sum_gradients = _no_all_reduce
         self.layouts: list[blocks.BlockLayout] = []
         self._residuals: list[keras.Variable] = []
+        self._clip_states: list[list[keras.Variable]] = []
 
     # -- state ---------------------------------------------------------------------------
     @keras.src.utils.tracking.no_automatic_dependency_tracking
@@ -154,20 +162,34 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules, owners)
         self._residuals = []
         if self.exchange != "dense":
-            for v in var_list:
-                with self._distribution_strategy.extended.colocate_vars_with(
-                        v.value if isinstance(v, keras.Variable) else v):
-                    r = keras.Variable(
-                        initializer=keras.initializers.Zeros(), shape=v.shape, dtype=v.dtype,
-                        trainable=False, synchronization="on_read", aggregation="sum",
-                        name="residual_" + (getattr(v, "path", None) or v.name).replace("/", "_"))
-                self._track_variable(r)
-                self._residuals.append(r)
+            self._residuals = [self._per_replica_variable(v, v.shape, v.dtype, "residual_")
+                               for v in var_list]
+        self._clip_states = [[self._per_replica_variable(v, (rule.state_size,), "float32",
+                                                         f"clip{j}_{type(rule).__name__}_")
+                              for j, rule in enumerate(self.clipping) if rule.state_size]
+                             for v in var_list]
         self._stats = keras.Variable(
             initializer=keras.initializers.Zeros(), shape=(len(STAT_NAMES),), dtype="float32",
             trainable=False, synchronization="on_read", aggregation="mean",
             name="blocksparse_stats")
         super().build(var_list)
+
+    def _per_replica_variable(self, v: Any, shape: tuple[int, ...], dtype: str, prefix: str
+                              ) -> keras.Variable:
+        """A zero-initialised per-replica (on-read, sum) state variable next to ``v``."""
+        with self._distribution_strategy.extended.colocate_vars_with(
+                v.value if isinstance(v, keras.Variable) else v):
+            s = keras.Variable(
+                initializer=keras.initializers.Zeros(), shape=shape, dtype=dtype,
+                trainable=False, synchronization="on_read", aggregation="sum",
+                name=prefix + (getattr(v, "path", None) or v.name).replace("/", "_"))
+        self._track_variable(s)
+        return s
+
+    @property
+    def clip_states(self) -> list[list[keras.Variable]]:
+        """Per variable, the state of each stateful clipping rule (per replica)."""
+        return [list(s) for s in self._clip_states]
 
     @property
     def residuals(self) -> list[keras.Variable]:
@@ -216,6 +238,14 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]
         idx = [self._get_variable_index(v) for v in tvs]
         ctx = tf.distribute.get_replica_context()
+        commits: list[tuple[Any, tf.Tensor]] = []
+        if self.clipping:
+            clip_vars = [self._clip_states[i] for i in idx]
+            grads, new = clipping_lib.apply_rules(
+                self.clipping, grads, [tf.convert_to_tensor(v) for v in tvs],
+                [[tf.convert_to_tensor(s.value) for s in vs] for vs in clip_vars],
+                ctx.num_replicas_in_sync)
+            commits += [(s, n) for vs, ns in zip(clip_vars, new) for s, n in zip(vs, ns)]
         groups = self._fusion_groups(grads)
         if self.exchange == "dense":
             result = exchange_lib.run_grouped_exchange(
@@ -229,11 +259,10 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             state = [tf.convert_to_tensor(r.value) for r in residuals]
             result = exchange_lib.run_grouped_exchange(
                 self.exchange, ctx, make_comp, grads, state, groups, self.metric)
-
-            def commit() -> tf.Operation:
-                return tf.group([r.value.assign(s) for r, s in zip(residuals, result.residuals)])
-
-            self._when_finite(result.finite, commit)
+            commits += list(zip(residuals, result.residuals))
+        if commits:
+            self._when_finite(result.finite,
+                              lambda: tf.group([v.value.assign(s) for v, s in commits]))
         self._record(result)
         self._apply_inner(result.updates, tvs, result.finite)
 
@@ -303,6 +332,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             "metric": self.metric, "exchange": self.exchange, "nonfinite": self.nonfinite,
             "block_rules": dict(self.block_rules), "granularity": self.granularity,
             "fusion_buffer_bytes": self.fusion_buffer_bytes,
+            "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
         }
 
     @classmethod
