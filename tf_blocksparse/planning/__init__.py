@@ -12,7 +12,7 @@
   (PipeDream and bandwidth-oblivious baselines) and
   :mod:`~tf_blocksparse.planning.pipeline_sim` (GPipe / 1F1B schedule simulator).
 
-Other planners (e.g. pipeline partitioning) live beside these as sibling modules.
+Other planners live beside these as sibling modules.
 """
 
 from .balanced import compare_plans, min_imbalance, plan_backward, plan_balanced
