@@ -1,7 +1,8 @@
 """The balanced fusion planner of SPEC S1 (offline half).
 
-Gradients, in execution order, are cut into contiguous single-dtype groups.  A tensor larger
-than the fusion buffer is *oversized*: it is reduced in a group of its own, which may also carry
+Gradients, in execution order, are cut into contiguous single-dtype groups.  A tensor that
+fills the fusion buffer alone (``nbytes >= buffer_bytes``) is *oversized*: it is reduced in a
+group of its own, which may also carry
 a run of at most ``buffer_bytes`` of the tensors that became ready just *before* it (they ride
 along on a collective that is large anyway, and it does not start later because of them: the
 oversized tensor is its last member).  Every other group is at most ``buffer_bytes``.
@@ -48,10 +49,11 @@ MAX_LOWER_BOUNDS = 4096
 class _Problem:
     """Execution-ordered sizes and the index tables the dynamic program needs."""
 
-    def __init__(self, sizes: list[int], dtypes: list[str], buffer_bytes: int) -> None:
+    def __init__(self, sizes: list[int], dtypes: list[str], buffer_bytes: int,
+                 full_is_oversized: bool = True) -> None:
         n, cap = len(sizes), buffer_bytes
         self.n, self.cap, self.sizes, self.dtypes = n, cap, sizes, dtypes
-        self.over = [s > cap for s in sizes]
+        self.over = [s >= cap if full_is_oversized else s > cap for s in sizes]
         self.pre = np.concatenate([[0.0], np.cumsum(np.asarray(sizes, dtype=np.float64))])
         pre_list = self.pre.tolist()
         # run_start[k]: first index of the maximal run of non-oversized, same-dtype tensors
@@ -212,7 +214,7 @@ def _fewest_groups_runs(problem: _Problem) -> list[tuple[int, int]]:
         while lo_c < hi_c:
             mid = (lo_c + hi_c) // 2
             lo_c, hi_c = (lo_c, mid) if greedy(a, b, mid)[0] == t else (mid + 1, hi_c)
-        sub = _Problem(sizes[a:b], ["x"] * (b - a), cap)
+        sub = _Problem(sizes[a:b], ["x"] * (b - a), cap, False)
         low_lo, low_hi = 0, lo_c
         while low_lo < low_hi:
             mid = (low_lo + low_hi + 1) // 2
@@ -249,19 +251,21 @@ def plan_balanced(tensors: Sequence[TensorSpec], buffer_bytes: int,
     order = _resolve_order(tensors, order)
     sizes = [tensors[i].nbytes for i in order]
     dtypes = [tensors[i].dtype for i in order]
-    problem = _Problem(sizes, dtypes, int(buffer_bytes))
-    fewest = _fewest_groups_runs(problem)
+    fewest = _fewest_groups_runs(_Problem(sizes, dtypes, int(buffer_bytes), False))
     runs = fewest
     if balance is not None:
-        candidate = _balanced_runs(problem, balance)
-        if candidate is not None:
+        problem = _Problem(sizes, dtypes, int(buffer_bytes))
+        # the ratio-optimal plan; the fewest groups with ride-along (0-byte groups allowed)
+        candidates = [_balanced_runs(problem, balance), problem.runs_for(0.0, float(buffer_bytes))]
+        candidates = [c for c in candidates if c is not None]
+        if candidates:
             def key(rs: list[tuple[int, int]]) -> tuple[float, int, int]:
                 sums = [sum(sizes[a:b]) for a, b in rs]
                 over = [any(problem.over[a:b]) for a, b in rs]
                 normal = [s for s, o in zip(sums, over) if not o]
                 ratio = _normal_imbalance(sums, over)
                 return (max(ratio, balance), len(rs), max(normal, default=0))
-            runs = min([candidate, fewest], key=key)
+            runs = min([*candidates, fewest], key=key)
     return _make_plan("balanced", buffer_bytes, tensors,
                       [list(order[a:b]) for a, b in runs])
 

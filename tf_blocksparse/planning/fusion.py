@@ -5,8 +5,9 @@ stored (JSON) before a strategy exists.  Tensors are referred to by their index 
 
 A plan lists fusion groups, each a contiguous run of the *execution order* (the order in which
 gradients become ready, i.e. backward order).  A buffer never mixes dtypes; a tensor larger than
-the buffer (*oversized*) is reduced in its own group, which the balanced planner
-(:mod:`~tf_blocksparse.planning.balanced`) lets carry up to one buffer of the tensors ready just
+the buffer is reduced in its own group; one that fills the buffer (*oversized*) may, in the
+balanced planner
+(:mod:`~tf_blocksparse.planning.balanced`), carry up to one buffer of the tensors ready just
 before it.
 """
 
@@ -79,12 +80,12 @@ class FusionPlan:
         return self.largest / self.smallest if self.smallest else float("inf")
 
     def is_oversized(self, group: FusionGroup) -> bool:
-        """Whether ``group`` holds a tensor larger than the buffer."""
-        return any(self.tensors[i].nbytes > self.buffer_bytes for i in group.members)
+        """Whether ``group`` holds a tensor that fills the buffer alone (``>= buffer_bytes``)."""
+        return any(self.tensors[i].nbytes >= self.buffer_bytes for i in group.members)
 
     @property
     def imbalance_excluding_oversized(self) -> float:
-        """``largest / smallest`` over the groups holding no tensor above the buffer.
+        """``largest / smallest`` over the groups holding no tensor that fills the buffer.
 
         1.0 when no such group is left (or all are empty); ``inf`` if one holds 0 bytes.
         """
@@ -99,7 +100,7 @@ class FusionPlan:
         Every tensor appears exactly once in ``order`` and in the groups; the groups are
         contiguous runs of ``order`` in order; each group's ``nbytes`` is its members' sum and
         its members share one dtype; with ``check_size_bound`` each group is at most
-        ``buffer_bytes``, or holds exactly one tensor larger than the buffer and at most
+        ``buffer_bytes``, or holds exactly one tensor of at least the buffer's size and at most
         ``buffer_bytes`` of other tensors, all ready before it (it is the group's last member).
         (TF's and DDP's packs may overshoot their size by design: check them with
         ``check_size_bound=False``.)
@@ -121,7 +122,7 @@ class FusionPlan:
             if len({self.tensors[i].dtype for i in g.members}) != 1:
                 raise ValueError(f"{self.method}: group {g.members} mixes dtypes")
             if check_size_bound and g.nbytes > self.buffer_bytes and len(g.members) > 1:
-                big = [i for i in g.members if self.tensors[i].nbytes > self.buffer_bytes]
+                big = [i for i in g.members if self.tensors[i].nbytes >= self.buffer_bytes]
                 extra = g.nbytes - sum(self.tensors[i].nbytes for i in big)
                 if big != [g.members[-1]] or extra > self.buffer_bytes:
                     raise ValueError(f"{self.method}: group {g.members} ({g.nbytes} B) exceeds "
