@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,10 @@ def _stage_fields(stage: Any) -> tuple[Any, Any, Any]:
                      f"those attributes, got {stage!r}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def normalize_stages(stages: Sequence[Any], num_layers: int, devices: Sequence[str],
                      allow_device_reuse: bool = False) -> list[StageSpec]:
     """Checks ``stages`` and resolves their devices.
@@ -63,8 +68,8 @@ def normalize_stages(stages: Sequence[Any], num_layers: int, devices: Sequence[s
         num_layers: Layers of the chain; the stages must cover ``0 .. num_layers - 1`` in order
             without gaps or overlaps.
         devices: Device names the integer ids refer to.
-        allow_device_reuse: Accept one device in several replicas / stages (tests only: such a
-            device then runs those replicas one after the other).
+        allow_device_reuse: Accept one device in several replicas / stages (for tests on hosts
+            with few devices: those replicas then share the device's compute).
 
     Returns:
         The stages with device names.
@@ -78,8 +83,7 @@ def normalize_stages(stages: Sequence[Any], num_layers: int, devices: Sequence[s
     result, used, expected = [], {}, 0
     for s, stage in enumerate(stages):
         first, last, devs = _stage_fields(stage)
-        if not (isinstance(first, int) and isinstance(last, int)) or first != expected \
-                or last < first:
+        if not (_is_int(first) and _is_int(last)) or first != expected or last < first:
             raise ValueError(f"stages: stage {s} covers layers [{first}, {last}] but must start "
                              f"at layer {expected} and end at or after it (stages must tile "
                              f"layers 0..{num_layers - 1} in order)")
@@ -88,22 +92,23 @@ def normalize_stages(stages: Sequence[Any], num_layers: int, devices: Sequence[s
                              f"got {devs!r}")
         names = []
         for d in devs:
-            if isinstance(d, int) and not isinstance(d, bool):
+            if _is_int(d):
                 if not 0 <= d < len(devices):
                     raise ValueError(f"stages: stage {s} device id {d} is out of range for "
                                      f"devices of length {len(devices)}")
-                d = devices[d]
+                d = devices[int(d)]
             elif not isinstance(d, str):
                 raise ValueError(f"stages: stage {s} has a device {d!r} that is neither an "
                                  "int nor a str")
-            key = tf.DeviceSpec.from_string(d).to_string()
+            spec = tf.DeviceSpec.from_string(d)
+            key = ((spec.device_type or "").upper(), spec.device_index)
             if key in used and not allow_device_reuse:
                 raise ValueError(f"stages: device {d!r} is reused (stage {used[key]} and stage "
                                  f"{s}); give every replica its own device")
             used.setdefault(key, s)
             names.append(d)
-        result.append(StageSpec(first, last, tuple(names)))
-        expected = last + 1
+        result.append(StageSpec(int(first), int(last), tuple(names)))
+        expected = int(last) + 1
     if expected != num_layers:
         raise ValueError(f"stages cover layers 0..{expected - 1} but the model has "
                          f"{num_layers} layers")
@@ -176,8 +181,8 @@ class StageReplica:
 
     @staticmethod
     def _copy(ref: keras.Variable, trainable: bool) -> keras.Variable:
-        return keras.Variable(ref.value, trainable=trainable, dtype=ref.dtype,
-                              name=ref.name)
+        # from a numpy copy: a keras.Variable built from a tf.Variable would alias it
+        return keras.Variable(ref.numpy(), trainable=trainable, dtype=ref.dtype, name=ref.name)
 
     @property
     def trainable_refs(self) -> list[keras.Variable]:
