@@ -67,6 +67,38 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
                                      exchange=exchange)
 
 
+def epoch_clock():
+    """Callback recording, per epoch, the cumulative training seconds (validation excluded).
+
+    Its ``train_s`` list is what time-to-accuracy is measured against: the time spent in
+    training steps (exchange included) up to the end of each epoch.
+    """
+    import keras
+
+    class EpochClock(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.train_s: list[float] = []
+            self._spent, self._start, self._open = 0.0, 0.0, False
+
+        def _close(self) -> None:
+            if self._open:
+                self._spent += time.perf_counter() - self._start
+                self.train_s.append(round(self._spent, 3))
+                self._open = False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start, self._open = time.perf_counter(), True
+
+        def on_test_begin(self, logs=None):  # validation closes the epoch's training time
+            self._close()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self._close()
+
+    return EpochClock()
+
+
 def _dump_restored(path: str, index: int):
     """Callback saving this worker's local residuals once training (and restore) began."""
     import keras
@@ -144,6 +176,8 @@ def run(argv_flags=FLAGS) -> dict:
         callbacks.append(_dump_restored(f.dump_restored, index))
     if f.fail_at_step >= 0 and index == f.fail_worker:
         callbacks.append(_fail_at(f.fail_at_step))
+    clock = epoch_clock()
+    callbacks.append(clock)
     test_ds = pipeline.test_dataset(arrays, 256)
     t0 = time.perf_counter()
     hist = model.fit(train_ds, epochs=f.epochs, steps_per_epoch=steps, callbacks=callbacks,
@@ -163,6 +197,7 @@ def run(argv_flags=FLAGS) -> dict:
         "skipped_steps": int(m["skipped_steps"]), "num_workers": num_workers,
         "replicas": strategy.num_replicas_in_sync, "dataset": arrays.name,
         "history": {k: [float(v) for v in vals] for k, vals in hist.history.items()},
+        "train_s_per_epoch": clock.train_s,
         "flags": {name: f[name].value for name in _FLAG_NAMES},
         "tensorflow": tf.__version__,
     }

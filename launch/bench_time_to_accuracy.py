@@ -1,0 +1,130 @@
+"""Time to accuracy on a bandwidth-limited cluster: dense vs block (allgather, shared) vs
+element top-k at the same density.
+
+Every run is a real ``--num_workers``-process ``MultiWorkerMirroredStrategy`` cluster of
+``launch/train.py`` on Fashion-MNIST (digits when absent, said so), each worker in its own
+network namespace with its link shaped by ``tc`` to ``--bandwidths_mbit`` (needs root: without
+it the script says so and stops).  Per model x bandwidth x method it records the test
+accuracy after every epoch against the training seconds spent so far (validation excluded),
+and derives:
+
+- ``time_to_target_s``: training seconds until the test accuracy first reaches the dense run's
+  final accuracy minus ``--target_drop`` (0.3 points);
+- ``speedup_vs_dense``: dense's time to that target over the method's (``null`` if never);
+- ``final_accuracy``, ``bytes_per_step`` (handed to the collectives per worker), ``wall_s``.
+
+Writes ``OUT/time_to_accuracy.json`` (one record per model x bandwidth x method, plus the
+budget) and ``OUT/time_to_accuracy.png`` (accuracy vs training time and vs bytes).
+
+    python launch/bench_time_to_accuracy.py [--models=vgg_fc,resnet20]
+        [--bandwidths_mbit=100,1000] [--epochs=6] [--steps_per_epoch=20] [--density=0.01]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from launch import experiments  # noqa: E402
+
+FLAGS = flags.FLAGS
+TTA_METHODS = ("dense", "block_allgather", "block_shared", "topk")
+
+
+def define_flags() -> None:
+    """The script's flags."""
+    flags.DEFINE_list("models", ["vgg_fc", "resnet20"], "Models (launch/train.py --model).")
+    flags.DEFINE_list("bandwidths_mbit", ["100", "1000"], "Link rates to shape to.")
+    flags.DEFINE_float("latency_ms", 0.5, "One-way delay added on every shaped link.")
+    flags.DEFINE_list("methods", list(TTA_METHODS), "Methods (dense first).")
+    flags.DEFINE_integer("num_workers", 4, "Worker processes.")
+    flags.DEFINE_float("density", 0.01, "Fraction kept by block and element top-k.")
+    flags.DEFINE_integer("epochs", 6, "Epochs per run (one test evaluation each).")
+    flags.DEFINE_integer("steps_per_epoch", 20, "Training steps per epoch.")
+    flags.DEFINE_integer("batch_size", 128, "Global batch size.")
+    flags.DEFINE_integer("train_samples", 0, "Training subset (0: all 60,000).")
+    flags.DEFINE_integer("test_samples", 2000, "Test subset evaluated after every epoch.")
+    flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
+    flags.DEFINE_float("target_drop", 0.003, "Target = dense final accuracy minus this.")
+    flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
+    flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
+    flags.DEFINE_float("run_timeout_s", 1800, "Kill a run after this long.")
+
+
+def summarise(records: list[dict], target_drop: float) -> list[dict]:
+    """Adds the time-to-accuracy figures to one model x bandwidth group (dense first)."""
+    dense = next((r for r in records if r["method"] == "dense"), None)
+    if dense is None:
+        raise ValueError("`methods` must include dense (the target comes from it)")
+    target = dense["test_accuracy"] - target_drop
+    dense_t = experiments.time_to_target(dense, target)
+    out = []
+    for r in records:
+        t = experiments.time_to_target(r, target)
+        out.append({
+            "model": r["model"], "bandwidth_mbit": r["bandwidth_mbit"], "method": r["method"],
+            "target_accuracy": round(target, 4),
+            "time_to_target_s": t, "final_accuracy": round(r["test_accuracy"], 4),
+            "bytes_per_step": r["payload_bytes_per_step"],
+            "dense_bytes_per_step": r["dense_bytes_per_step"],
+            "wall_s": r["launcher_wall_s"], "train_s": r["train_s_per_epoch"][-1],
+            "speedup_vs_dense": (round(dense_t / t, 3) if t and dense_t else None),
+            "within_target_of_dense": r["test_accuracy"] >= target,
+            "accuracy_per_epoch": [round(a, 4) for a in r["history"].get("val_accuracy", [])],
+            "train_s_per_epoch": r["train_s_per_epoch"],
+        })
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if os.geteuid() != 0:
+        sys.exit("bench_time_to_accuracy: shaping links needs root (network namespaces + tc); "
+                 "run it as root (CI is root).")
+    f = FLAGS
+    methods = ["dense"] + [m for m in f.methods if m != "dense"]
+    common = [f"--dataset={f.dataset}", f"--epochs={f.epochs}",
+              f"--steps_per_epoch={f.steps_per_epoch}", f"--batch_size={f.batch_size}",
+              f"--train_samples={f.train_samples}", f"--test_samples={f.test_samples}",
+              f"--lr={f.lr}", "--seed=0"]
+    results, groups = [], {}
+    for model in f.models:
+        for bw in [float(b) for b in f.bandwidths_mbit]:
+            runs = []
+            for method in methods:
+                rec = experiments.run_training(
+                    method, [f"--model={model}", *common], f.num_workers, f.density,
+                    bandwidth_mbit=bw, latency_ms=f.latency_ms, timeout_s=f.run_timeout_s)
+                rec.update(model=model, bandwidth_mbit=bw)
+                runs.append(rec)
+                print(json.dumps({"model": model, "bandwidth_mbit": bw, "method": method,
+                                  "final_accuracy": round(rec["test_accuracy"], 4),
+                                  "train_s": rec["train_s_per_epoch"][-1],
+                                  "bytes_per_step": rec["payload_bytes_per_step"]}), flush=True)
+            results += summarise(runs, f.target_drop)
+            groups[f"{model} @ {bw:g} Mbit/s"] = runs
+    budget = {"num_workers": f.num_workers, "epochs": f.epochs,
+              "steps_per_epoch": f.steps_per_epoch, "global_batch": f.batch_size,
+              "train_samples": f.train_samples or "all", "test_samples": f.test_samples,
+              "density": f.density, "latency_ms": f.latency_ms, "lr": f.lr,
+              "dataset": groups and next(iter(groups.values()))[0]["dataset"]}
+    doc = {"budget": budget, "records": results,
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
+    os.makedirs(f.out, exist_ok=True)
+    with open(os.path.join(f.out, "time_to_accuracy.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    experiments.plot_curves(groups, os.path.join(f.out, "time_to_accuracy.png"),
+                            f"{f.num_workers} workers, shaped links, density {f.density}")
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,130 @@
+"""Shared pieces of the evidence benchmarks: run one multi-worker training job, read its
+metrics, derive time-to-accuracy, and plot.
+
+A *run* is a real ``launch/local_cluster.py`` cluster of ``launch/train.py`` workers under
+``MultiWorkerMirroredStrategy`` on real data (optionally on a shaped network: every worker in
+its own network namespace, see ``launch/netem.py``); its chief's ``metrics.json`` gives the
+per-epoch test accuracy (``history["val_accuracy"]``), the cumulative training seconds at the
+end of each epoch (validation excluded, ``train_s_per_epoch``) and the bytes each worker hands
+to the collectives per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+
+#: Method name -> ``launch/train.py`` flags (``{density}`` filled in by :func:`method_flags`).
+METHODS = {
+    "dense": ["--compression=dense"],
+    "block_allgather": ["--compression=block", "--density={density}", "--exchange=allgather"],
+    "block_shared": ["--compression=block", "--density={density}", "--exchange=shared"],
+    "block_k1": ["--compression=block", "--k=1", "--exchange=allgather"],
+    "topk": ["--compression=topk", "--density={density}", "--exchange=allgather"],
+}
+
+
+def method_flags(method: str, density: float) -> list[str]:
+    """``launch/train.py`` flags of ``method`` at ``density``."""
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {sorted(METHODS)}, got {method!r}")
+    return [f.format(density=density) for f in METHODS[method]]
+
+
+def run_training(method: str, train_flags: Sequence[str], num_workers: int, density: float,
+                 bandwidth_mbit: float | None = None, latency_ms: float | None = None,
+                 timeout_s: float = 0.0, log: bool = False) -> dict:
+    """Trains once on a local cluster and returns the chief's metrics record.
+
+    Args:
+        method: A key of :data:`METHODS`.
+        train_flags: Further ``launch/train.py`` flags (model, data, epochs, ...).
+        num_workers: Worker processes.
+        density: Fraction kept by the sparse methods.
+        bandwidth_mbit: Shape every worker's link to this rate (needs root); ``None``: loopback.
+        latency_ms: Added one-way delay on the shaped links.
+        timeout_s: Kill the cluster after this long (0: no limit).
+        log: Stream the workers' output.
+
+    Returns:
+        The ``metrics.json`` record plus ``launcher_wall_s``.
+    """
+    from launch.local_cluster import run_local_cluster
+
+    with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
+        cmd = [sys.executable, TRAIN, "--strategy=multiworker", f"--model_dir={tmp}",
+               *method_flags(method, density), *train_flags]
+        kwargs = {}
+        if bandwidth_mbit is not None:
+            kwargs.update(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms or 0.0)
+        t0 = time.perf_counter()
+        out = None if log else open(os.devnull, "w")  # noqa: SIM115
+        try:
+            rc = run_local_cluster(cmd, num_workers=num_workers, timeout_s=timeout_s or None,
+                                   log_dir=os.path.join(tmp, "logs"),
+                                   **({} if log else {"stream": out}), **kwargs)
+        finally:
+            if out is not None:
+                out.close()
+        wall = time.perf_counter() - t0
+        if rc != 0:
+            logs = os.path.join(tmp, "logs", "worker_0.log")
+            tail = open(logs).read()[-3000:] if os.path.exists(logs) else ""
+            raise RuntimeError(f"{method}: cluster exited with {rc}\n{tail}")
+        with open(os.path.join(tmp, "metrics.json")) as fh:
+            record = json.load(fh)
+    record["launcher_wall_s"] = round(wall, 2)
+    record["method"] = method
+    return record
+
+
+def time_to_target(record: dict, target: float) -> float | None:
+    """Training seconds until the test accuracy first reaches ``target`` (``None``: never)."""
+    for acc, t in zip(record["history"].get("val_accuracy", []), record["train_s_per_epoch"]):
+        if acc >= target:
+            return float(t)
+    return None
+
+
+def curve(record: dict) -> tuple[list[float], list[float], list[float]]:
+    """``(train seconds, cumulative MiB sent per worker, test accuracy)`` per epoch."""
+    steps = record["steps_per_epoch"]
+    per_step = record["payload_bytes_per_step"] / 2**20
+    accs = record["history"].get("val_accuracy", [])
+    return (list(record["train_s_per_epoch"][:len(accs)]),
+            [per_step * steps * (e + 1) for e in range(len(accs))], list(accs))
+
+
+def plot_curves(groups: dict[str, list[dict]], path: str, title: str) -> None:
+    """One row per group (e.g. model @ bandwidth): accuracy vs time and vs bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.4 * len(groups)), squeeze=False)
+    for row, (name, records) in enumerate(groups.items()):
+        for rec in records:
+            t, mib, acc = curve(rec)
+            axes[row][0].plot(t, acc, marker="o", label=rec["method"])
+            axes[row][1].plot(mib, acc, marker="o", label=rec["method"])
+        axes[row][0].set_xlabel("training seconds")
+        axes[row][1].set_xlabel("cumulative MiB sent per worker")
+        axes[row][1].set_xscale("log")
+        for ax in axes[row]:
+            ax.set_ylabel("test accuracy")
+            ax.set_title(name)
+            ax.grid(alpha=0.3)
+        axes[row][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
