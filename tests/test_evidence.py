@@ -1,0 +1,82 @@
+"""Evidence benchmarks: time-to-accuracy derivation and the results files' JSON schema."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import bench_convergence, bench_time_to_accuracy, experiments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _record(method, accs, times, final=None, payload=1000, dense=8000):
+    return {"method": method, "model": "vgg_fc", "bandwidth_mbit": 100.0,
+            "history": {"val_accuracy": accs}, "train_s_per_epoch": times,
+            "test_accuracy": accs[-1] if final is None else final,
+            "payload_bytes_per_step": payload, "dense_bytes_per_step": dense,
+            "launcher_wall_s": times[-1] + 5, "steps_per_epoch": 10,
+            "flags": {"seed": 0}}
+
+
+def test_time_to_target_and_speedup():
+    dense = _record("dense", [0.5, 0.7, 0.8], [10.0, 20.0, 30.0], payload=8000)
+    block = _record("block_allgather", [0.6, 0.798, 0.81], [2.0, 4.0, 6.0])
+    slow = _record("topk", [0.4, 0.5, 0.6], [3.0, 6.0, 9.0])
+    assert experiments.time_to_target(dense, 0.797) == 30.0
+    assert experiments.time_to_target(block, 0.797) == 4.0
+    assert experiments.time_to_target(slow, 0.797) is None
+    rows = bench_time_to_accuracy.summarise([dense, block, slow], 0.003)
+    by = {r["method"]: r for r in rows}
+    assert by["dense"]["speedup_vs_dense"] == 1.0
+    assert by["block_allgather"]["speedup_vs_dense"] == 7.5
+    assert by["topk"]["speedup_vs_dense"] is None and not by["topk"]["within_target_of_dense"]
+    for r in rows:
+        assert {"model", "bandwidth_mbit", "method", "time_to_target_s", "final_accuracy",
+                "bytes_per_step", "speedup_vs_dense"} <= set(r)
+    with pytest.raises(ValueError, match="dense"):
+        bench_time_to_accuracy.summarise([block], 0.003)
+
+
+def test_convergence_summary():
+    recs = [_record("dense", [0.5, 0.8], [1.0, 2.0]), _record("dense", [0.6, 0.82], [1.0, 2.0])]
+    row = bench_convergence.summarise("cnn_small", "dense", recs)
+    assert row["mean"] == pytest.approx(0.81) and row["std"] == pytest.approx(0.0141, abs=1e-4)
+    assert row["curve_mean"] == [0.55, 0.81]
+
+
+def test_method_flags_reject_unknown():
+    assert "--density=0.01" in experiments.method_flags("topk", 0.01)
+    with pytest.raises(ValueError, match="`method`"):
+        experiments.method_flags("nope", 0.01)
+
+
+@pytest.mark.slow
+def test_convergence_end_to_end_schema(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_convergence.py"),
+           "--num_workers=2", "--dataset=digits", "--epochs=1", "--seeds=0",
+           "--methods=dense,block_k1", "--extra_model=", f"--out={tmp_path}"]
+    subprocess.run(cmd, check=True, timeout=600, cwd=ROOT, capture_output=True)
+    doc = json.loads((tmp_path / "convergence.json").read_text())
+    assert {r["method"] for r in doc["records"]} == {"dense", "block_k1"}
+    for r in doc["records"]:
+        assert 0.0 <= r["mean"] <= 1.0 and r["bytes_per_step"] > 0
+        assert isinstance(r["within_0_3_points"], bool)
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="shaped links need root (netns + tc)")
+def test_time_to_accuracy_end_to_end_schema(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_time_to_accuracy.py"),
+           "--num_workers=2", "--dataset=digits", "--models=cnn_small", "--bandwidths_mbit=100",
+           "--methods=dense,block_allgather", "--epochs=2", "--steps_per_epoch=5",
+           "--density=0.05", f"--out={tmp_path}"]
+    subprocess.run(cmd, check=True, timeout=600, cwd=ROOT, capture_output=True)
+    doc = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    assert len(doc["records"]) == 2 and doc["budget"]["num_workers"] == 2
+    for r in doc["records"]:
+        assert r["bandwidth_mbit"] == 100.0 and r["bytes_per_step"] > 0
+    assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
