@@ -276,3 +276,20 @@ def test_dense_on_rank3_input_gradient_with_unknown_static_shape():
     hist = model.fit(x, rng.standard_normal((32, 4, 3)).astype("float32"), epochs=2,
                      batch_size=8, verbose=0)
     assert np.isfinite(hist.history["loss"]).all()
+
+
+def test_built_lazily_inside_a_tf_function():
+    # apply() may build the optimizer while a tf.function traces (owner discovery must not
+    # be autograph-converted).
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    step(tf.ones((2, 4)))
+    step(tf.ones((2, 4)))
+    assert int(opt.iterations.numpy()) == 2

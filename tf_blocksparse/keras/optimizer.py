@@ -47,6 +47,7 @@ def _no_all_reduce(grads_and_vars: Any) -> list:
     return list(grads_and_vars)
 
 
+@tf.autograph.experimental.do_not_convert
 def discover_owners(variables: Sequence[Any]) -> dict[int, Any]:
     """Maps ``id(variable)`` to the live Keras layer that created it.
 
