@@ -14,18 +14,22 @@ from tf_blocksparse import clipping, planning
 from tf_blocksparse.blocks import BlockLayout, BlockRule, block_table, format_block_table
 from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
 from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps
+from tf_blocksparse.distribute.hybrid import HybridTrainer
 from tf_blocksparse.distribute.pipeline import PipelineTrainer
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, Payload
 from tf_blocksparse.keras.backup import BackupAndRestore
 from tf_blocksparse.keras.callbacks import BlockSparseMetrics
+from tf_blocksparse.keras.hybrid_split import find_boundary, split_model
 from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 from tf_blocksparse.keras.profiler import profile_model
 
 __all__ = [
     "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseCrossDeviceOps",
     "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "ElementTopK",
-    "FusedCrossDeviceOps", "MultiWorkerMirroredStrategy", "Payload", "PipelineTrainer",
-    "block_table", "clipping", "format_block_table", "planning", "profile_model",
+    "FusedCrossDeviceOps", "HybridTrainer", "MultiWorkerMirroredStrategy", "Payload",
+    "PipelineTrainer",
+    "block_table", "clipping", "find_boundary", "format_block_table", "planning",
+    "profile_model", "split_model",
 ]
 __version__ = "0.1.0"

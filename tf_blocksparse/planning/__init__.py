@@ -11,6 +11,7 @@
   exhaustive and brute-force checks), :mod:`~tf_blocksparse.planning.pipeline_baselines`
   (PipeDream and bandwidth-oblivious baselines) and
   :mod:`~tf_blocksparse.planning.pipeline_sim` (GPipe / 1F1B schedule simulator).
+- :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement (SPEC S4).
 
 Other planners live beside these as sibling modules.
 """
@@ -39,6 +40,14 @@ from .pipeline import (
 )
 from .pipeline_baselines import compare_pipeline_plans, plan_oblivious, plan_pipedream
 from .pipeline_sim import schedule_order, simulate_pipeline
+from .placement import (
+    LayerMemory,
+    LayerPlacement,
+    MemoryBudget,
+    PlacementPlan,
+    evaluate_placement,
+    plan_placement,
+)
 from .profile import LayerProfile, ModelProfile, random_profile, synthetic_profile
 from .schedule import FusionScheduler, simulate, simulate_greedy_cycles
 from .topology import Topology, homogeneous, random_heterogeneous, two_level
@@ -53,4 +62,7 @@ __all__ = [
     "plan_cost", "plan_exhaustive", "plan_oblivious", "plan_pipedream", "plan_pipeline",
     "random_heterogeneous", "random_profile", "schedule_order", "simulate_pipeline",
     "stage_time", "synthetic_profile", "two_level", "validate_plan",
+    # memory-aware hybrid placement (SPEC S4)
+    "LayerMemory", "LayerPlacement", "MemoryBudget", "PlacementPlan", "evaluate_placement",
+    "plan_placement",
 ]

@@ -1,0 +1,327 @@
+"""Hybrid conv/FC training with the FC group in (emulated) expanded memory (SPEC S4).
+
+    python launch/train_hybrid.py --model=vgg_fc --dataset=digits --conv_replicas=2 \\
+        --fc_replicas=1 --steps=5 --device_memory_budget=2 --verify_against_data_parallel
+
+The model is split at its conv/FC boundary (or at ``--split_layer``, the first head layer);
+``--conv_replicas`` replicas train the trunk and ``--fc_replicas`` replicas the head
+(:class:`~tf_blocksparse.distribute.hybrid.HybridTrainer`).  The placement planner
+(:func:`~tf_blocksparse.planning.placement.plan_placement`) decides from
+``--device_memory_budget`` / ``--expanded_memory_budget`` (MiB per device / per node, 0 = no
+limit) which layers keep their variables and optimizer state in host memory (``--offload=plan``;
+``fc`` always offloads the head, ``none`` never).  Devices: on a GPU host the replicas share the
+GPUs round-robin and the host memory is ``/cpu:0``; on a CPU host ``I + J + 1`` logical CPUs are
+made (conv replicas, FC replicas, host memory).
+
+``--verify_against_data_parallel`` trains a copy of the model on the same global batches with
+plain data parallelism (``MirroredStrategy`` over the conv replicas' devices, a custom loop,
+the same SGD) and reports ``max_abs_weight_diff``.  With ``--compression=block`` in both groups
+and ``I == J`` the reference uses ``BlockSparseCrossDeviceOps`` with the same settings (the
+same per-replica selections, so the difference is again float rounding); otherwise the
+reference is dense and the difference shows the compression's effect.
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from launch.flags import define_flags as define_shared_flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+MIB = 2**20
+
+
+def define_flags() -> None:
+    """Defines the shared training flags and the hybrid ones (only called as a script)."""
+    define_shared_flags(flag_values=FLAGS)
+    FLAGS.set_default("compression", "dense")
+    FLAGS.set_default("model", "vgg_fc")
+    flags.DEFINE_integer("conv_replicas", 2, "I: data-parallel replicas of the conv trunk.",
+                         lower_bound=1)
+    flags.DEFINE_integer("fc_replicas", 1, "J: data-parallel replicas of the FC head.",
+                         lower_bound=1)
+    flags.DEFINE_float("device_memory_budget", 0.0, "MiB of one device's memory for the "
+                       "planner (0 = no limit).", lower_bound=0.0)
+    flags.DEFINE_float("expanded_memory_budget", 0.0, "MiB of one node's expanded (host) "
+                       "memory for the planner (0 = no limit).", lower_bound=0.0)
+    flags.DEFINE_float("host_bandwidth", 25.0, "GB/s between a device and host/expanded "
+                       "memory (cost model).", lower_bound=1e-9)
+    flags.DEFINE_float("link_bandwidth", 12.5, "GB/s of a node-to-node link (cost model).",
+                       lower_bound=1e-9)
+    flags.DEFINE_enum("offload", "plan", ["plan", "fc", "none"], "Which layers keep their state "
+                      "in host memory: the planner's choice, the whole FC head, or none.")
+    flags.DEFINE_string("split_layer", None, "First layer of the head (default: the first "
+                        "Dense after the last convolution).")
+    flags.DEFINE_enum("compression_groups", "both", ["both", "conv", "fc"],
+                      "Groups that use --compression=block.")
+    flags.DEFINE_integer("fc_units", 0, "vgg_fc head width (0 = the builder's default).",
+                         lower_bound=0)
+    flags.DEFINE_integer("steps", 5, "Training steps.", lower_bound=1)
+    flags.DEFINE_string("host_device", "", "Device of the expanded-memory state (default "
+                        "/cpu:0 on GPU hosts, the last logical CPU otherwise).")
+    flags.DEFINE_boolean("profile_layers", False, "Time every layer at the global batch size "
+                         "(chain or functional models) so the cost model includes compute.")
+    flags.DEFINE_boolean("verify_against_data_parallel", False, "Also train with plain data "
+                         "parallelism on the same batches and report max_abs_weight_diff.")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def hybrid_devices(conv_replicas: int, fc_replicas: int, host_device: str = ""
+                   ) -> dict[str, Any]:
+    """Device names for the groups (configures logical CPUs on a CPU host; call first).
+
+    Returns:
+        ``{"conv": [...], "fc": [...], "host": str, "reference": [...]}`` (``reference``: the
+        distinct devices of the data-parallel reference).
+    """
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        n = len(gpus)
+        conv = [f"/gpu:{i % n}" for i in range(conv_replicas)]
+        fc = [f"/gpu:{(conv_replicas + j) % n}" for j in range(fc_replicas)]
+        return {"conv": conv, "fc": fc, "host": host_device or "/cpu:0",
+                "reference": sorted(set(conv))}
+    total = conv_replicas + fc_replicas + 1
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * total)
+    except RuntimeError as err:
+        if len(tf.config.list_logical_devices("CPU")) < total:
+            raise RuntimeError(f"need {total} logical CPUs before TF initialises") from err
+    conv = [f"/cpu:{i}" for i in range(conv_replicas)]
+    fc = [f"/cpu:{conv_replicas + j}" for j in range(fc_replicas)]
+    return {"conv": conv, "fc": fc, "host": host_device or f"/cpu:{total - 1}",
+            "reference": conv}
+
+
+def global_batches(x: Any, y: Any, batch_size: int, steps: int, seed: int
+                   ) -> list[tuple[Any, Any]]:
+    """``steps`` global batches ``(x [batch_size, ...], y [batch_size])`` of a seeded
+    permutation (cycled when the data run out)."""
+    import numpy as np
+
+    if batch_size > len(x):
+        raise ValueError(f"batch_size {batch_size} exceeds the {len(x)} training examples")
+    rng = np.random.default_rng(seed)
+    order, out = rng.permutation(len(x)), []
+    per_epoch = len(x) // batch_size
+    for s in range(steps):
+        if s and s % per_epoch == 0:
+            order = rng.permutation(len(x))
+        idx = order[(s % per_epoch) * batch_size:(s % per_epoch + 1) * batch_size]
+        out.append((x[idx], y[idx].astype("int32")))
+    return out
+
+
+def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
+                        batches: Sequence[tuple[Any, Any]], devices: Sequence[str], lr: float,
+                        momentum: float, compression: dict | None = None,
+                        strategy: Any = None) -> list[Any]:
+    """Plain data parallelism on the same global batches: the reference of the hybrid run.
+
+    ``MirroredStrategy`` over ``devices`` (or ``strategy``); replica ``r`` takes the ``r``-th
+    consecutive slice of each global batch and the gradient of ``sum(its losses) / B``; the
+    strategy all-reduces (dense, or ``BlockSparseCrossDeviceOps(**compression)``) and SGD with
+    ``momentum`` updates.
+
+    Args:
+        make_model: Builds the model (called under the strategy's scope).
+        weights: Initial weights (``get_weights()`` order).
+        batches: Global batches ``(x [B, ...], y [B])``.
+        devices: Devices of the strategy (ignored when ``strategy`` is given).
+        lr: SGD learning rate.
+        momentum: SGD momentum.
+        compression: ``None`` or ``{"k", "density", "metric"}`` for the block-sparse ops.
+        strategy: Optional existing strategy.
+
+    Returns:
+        The trained weights (``get_weights()`` order).
+    """
+    import keras
+    import tensorflow as tf
+
+    import tf_blocksparse as tfbs
+    from tf_blocksparse.distribute.pipeline_stages import split_sizes
+
+    ops = None
+    if strategy is None:
+        ops = tfbs.BlockSparseCrossDeviceOps(**compression) if compression else None
+        strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    with strategy.scope():
+        model = make_model()
+        model.set_weights(weights)
+        opt = keras.optimizers.SGD(lr, momentum=momentum)
+        opt.build(model.trainable_variables)
+    if ops is not None:
+        ops.bind_model(model)
+    n = strategy.num_replicas_in_sync
+
+    def replica_step(x: tf.Tensor, y: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(loss_fn(y, model(x, training=True))) / batch
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(x: Any, y: Any, batch: tf.Tensor) -> tf.Tensor:
+        per = strategy.run(replica_step, args=(x, y, batch))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per, axis=None)
+
+    def distribute(a: Any) -> Any:
+        sizes = split_sizes(len(a), n)
+        starts = [sum(sizes[:r]) for r in range(n)]
+
+        def part(ctx: Any) -> Any:
+            r = ctx.replica_id_in_sync_group
+            return a[starts[r]:starts[r] + sizes[r]]
+
+        return strategy.experimental_distribute_values_from_function(part)
+
+    for x, y in batches:
+        step(distribute(x), distribute(y), tf.constant(float(len(x))))
+    return model.get_weights()
+
+
+def group_summary(placement: dict, plan: Any) -> dict[str, Any]:
+    """Per group: compute devices, the devices holding variables / optimizer state /
+    residuals, the expanded layers and the planner's bytes per replica."""
+    out = {}
+    for group in ("conv", "fc"):
+        reps = placement[group]
+        short = {k: sorted({d.split("device:")[-1] for r in reps for d in r[k].values()})
+                 for k in ("variables", "optimizer_slots", "residuals")}
+        out[group] = {"compute_devices": [r["compute_device"] for r in reps],
+                      "variable_devices": short["variables"],
+                      "optimizer_state_devices": short["optimizer_slots"],
+                      "residual_devices": short["residuals"],
+                      "planned_bytes_per_replica": dict(plan.group_bytes[group])}
+    out["expanded_layers"] = placement["expanded_layers"]
+    out["host_device"] = placement["host_device"]
+    return out
+
+
+def compression_specs(f: Any) -> tuple[dict | None, dict | None]:
+    """``(trainer compression argument, shared spec)`` from the flags."""
+    if f.compression == "dense":
+        return None, None
+    if f.compression != "block":
+        raise app.UsageError("train_hybrid.py supports --compression=dense or block")
+    spec = {"k": f.k, "density": f.density, "metric": f.metric}
+    if spec["k"] is None and spec["density"] is None:
+        spec["k"] = 1
+    if f.compression_groups == "both":
+        return spec, spec
+    return {f.compression_groups: spec}, None
+
+
+def run(f: Any = FLAGS) -> dict[str, Any]:
+    """Trains as the flags say; returns (and prints) the JSON record."""
+    devices = hybrid_devices(f.conv_replicas, f.fc_replicas, f.host_device)
+    import keras
+    import numpy as np
+
+    from launch import pipeline
+    from models import registry
+    from tf_blocksparse.distribute.hybrid import HybridTrainer
+    from tf_blocksparse.keras.hybrid_split import layer_memory
+    from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
+
+    arrays = pipeline.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
+                                  f.synthetic_shape, f.train_samples, f.seed)
+    extra = {"fc_units": f.fc_units} if f.fc_units and f.model == "vgg_fc" else {}
+
+    def build() -> keras.Model:
+        return registry.build_model(f.model, arrays.input_shape, arrays.num_classes,
+                                    seed=f.seed, **extra)
+
+    model = build()
+    initial = model.get_weights()
+    sgd = keras.optimizers.SGD(f.lr, momentum=f.momentum)
+    mib = {"device": f.device_memory_budget, "expanded": f.expanded_memory_budget}
+    budgets = {k: v * MIB if v else math.inf for k, v in mib.items()}
+    compute_s = None
+    if f.profile_layers:
+        from tf_blocksparse.keras.profiler import measure_layers
+
+        compute_s = {m.name: m.compute_s for m in measure_layers(
+            model, batch_size=f.batch_size, allow_non_chain=True, warmup=1, repeats=3)}
+    layers = layer_memory(model, f.split_layer, f.batch_size, sgd, compute_s)
+    bw = (f.host_bandwidth * 1e9, f.link_bandwidth * 1e9)
+    if f.offload == "none":
+        plan = evaluate_placement(layers, [], MemoryBudget(budgets["device"],
+                                  budgets["expanded"], *bw), f.conv_replicas, f.fc_replicas)
+    else:
+        plan = plan_placement(layers, budgets["device"], budgets["expanded"], *bw,
+                              f.conv_replicas, f.fc_replicas,
+                              offload_fc_group=f.offload == "fc")
+    comp, shared = compression_specs(f)
+    trainer = HybridTrainer(model, devices["conv"], devices["fc"], sgd,
+                            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            boundary=f.split_layer, host_device=devices["host"],
+                            compression=comp, offload=plan)
+    batches = global_batches(arrays.train[0], arrays.train[1], f.batch_size, f.steps, f.seed)
+    losses, times = [], []
+    for x, y in batches:
+        start = time.perf_counter()
+        losses.append(float(trainer.train_step(x, y)))
+        times.append(time.perf_counter() - start)
+    trainer.copy_to_model()
+    record: dict[str, Any] = {
+        "model": f.model, "dataset": arrays.name, "conv_replicas": f.conv_replicas,
+        "fc_replicas": f.fc_replicas, "batch_size": f.batch_size, "steps": f.steps,
+        "boundary": trainer.placement()["boundary"],
+        "compression": {"conv": trainer.syncs["conv"].compression,
+                        "fc": trainer.syncs["fc"].compression},
+        "exchange_bytes_per_replica": {g: trainer.syncs[g].nbytes() for g in ("conv", "fc")},
+        "loss_first": losses[0], "loss_last": losses[-1],
+        "step_time_s_median": statistics.median(times[1:] or times),
+        "predicted_step_time_s": plan.step_time_s, "predicted_breakdown_s": plan.breakdown,
+        "layers_profiled": bool(f.profile_layers), "plan_fits": plan.fits,
+        "memory_placement": group_summary(trainer.placement(), plan),
+        "variable_bytes_by_device": {d.split("device:")[-1]: n for d, n in
+                                     trainer.variable_bytes_by_device().items()},
+    }
+    if f.verify_against_data_parallel:
+        exact = comp is None or (shared is not None and f.conv_replicas == f.fc_replicas)
+        want = train_data_parallel(build, initial, batches, devices["reference"], f.lr,
+                                   f.momentum, shared if exact else None)
+        record["max_abs_weight_diff"] = max(float(np.max(np.abs(a - b)))
+                                            for a, b in zip(model.get_weights(), want))
+        record["reference"] = (("data parallel, same block-sparse exchange" if comp else
+                                "data parallel, dense") if exact else
+                               "dense data parallel (the difference includes the compression)")
+        record["reference_devices"] = devices["reference"]
+    print(json.dumps(record))
+    return record
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    run()
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

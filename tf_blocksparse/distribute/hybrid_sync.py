@@ -1,0 +1,303 @@
+"""Replicas and in-group gradient sync of the hybrid conv/FC runtime (SPEC S4).
+
+:class:`PartReplica` is one device's copy of a model part (the conv trunk or the FC head): the
+part's layer objects, called inside a :class:`keras.StatelessScope` that maps their variables
+to the replica's own copies, each copy created on the device the placement gives its layer
+(the replica's compute device, or the host device for layers in "expanded" memory).
+
+:class:`GroupSync` sums one group's per-replica gradients **variable by variable**: the sum of
+variable ``v`` depends only on the replicas' gradients of ``v``, so it can start as soon as
+those are ready (during the rest of the backward pass).  Dense: ``tf.add_n`` on the group's
+first compute device.  Block-sparse (per variable and replica, as in
+:class:`~tf_blocksparse.distribute.cross_device_ops.BlockSparseCrossDeviceOps`): error feedback
+``acc = grad + residual``, the top-k blocks of ``acc`` by L1/L2 score (a Dense kernel's block is
+one output unit's incoming weights, a conv kernel's one filter), ``residual = acc`` with those
+blocks zeroed, and the sum of every replica's selected blocks; when a replica's ``acc`` holds an
+inf/NaN the residuals stay unchanged and the dense sum is used.  The result is copied to every
+replica's variable device.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_blocksparse import blocks, selection
+from tf_blocksparse.distribute.pipeline_stages import split_sizes
+from tf_blocksparse.feedback import BlockTopK, validate_k_density
+
+__all__ = ["GroupSync", "PartReplica", "ancestors", "check_compression", "check_devices",
+           "gradient_dependencies", "replica_report", "row_sizes", "variable_bytes"]
+
+
+def check_compression(spec: Mapping[str, Any] | None, arg: str) -> dict[str, Any] | None:
+    """Validates a block-sparse spec ``{"k" | "density", "metric"}``; ``None`` means dense.
+
+    Raises:
+        ValueError: Unknown keys, bad ``k`` / ``density`` or ``metric`` (naming ``arg``).
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping) or set(spec) - {"k", "density", "metric"}:
+        raise ValueError(f"{arg} must be None or a dict with keys k, density, metric; got "
+                         f"{spec!r}")
+    try:
+        k, density = validate_k_density(spec.get("k"), spec.get("density"))
+    except ValueError as err:
+        raise ValueError(f"{arg}: {err}") from err
+    metric = spec.get("metric", "l1")
+    if metric not in selection.METRICS:
+        raise ValueError(f"{arg}: metric must be one of {selection.METRICS}, got {metric!r}")
+    return {"k": k, "density": density, "metric": metric}
+
+
+def check_devices(devices: Any, arg: str) -> list[str]:
+    if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
+        raise ValueError(f"{arg} must be a non-empty sequence of device names, got {devices!r}")
+    known = {(d.device_type.upper(), int(d.name.rsplit(":", 1)[-1]))
+             for d in tf.config.list_logical_devices()}
+    out = []
+    for d in devices:
+        try:
+            spec = tf.DeviceSpec.from_string(d) if isinstance(d, str) else None
+        except ValueError:
+            spec = None
+        if spec is None or spec.device_type is None:
+            raise ValueError(f"{arg}: {d!r} is not a device name like '/cpu:0' or '/gpu:0'")
+        if (spec.device_type.upper(), spec.device_index or 0) not in known:
+            raise ValueError(f"{arg}: device {d!r} does not exist; logical devices: "
+                             f"{sorted(known)}")
+        out.append(d)
+    return out
+
+
+def ancestors(op: tf.Operation) -> set[str]:
+    seen, stack = set(), [op]
+    while stack:
+        cur = stack.pop()
+        if cur.name in seen:
+            continue
+        seen.add(cur.name)
+        stack.extend(t.op for t in cur.inputs)
+        stack.extend(cur.control_inputs)
+    return seen
+
+
+def gradient_dependencies(grads: Sequence[Sequence[tf.Tensor]], totals: Sequence[tf.Tensor],
+                          paths: Sequence[str]) -> dict[str, list[str]]:
+    """For every variable, the other variables whose gradients its sum depends on.
+
+    Args:
+        grads: ``grads[r][v]``: replica ``r``'s gradient of variable ``v`` (graph tensors).
+        totals: ``totals[v]``: the sum of variable ``v`` in the same graph.
+        paths: Variable names.
+
+    Returns:
+        ``{paths[v]: [paths[u] for u != v whose gradient ops are ancestors of totals[v]]}``.
+    """
+    grad_ops = [{g[v].op.name for g in grads} for v in range(len(paths))]
+    out = {}
+    for v, total in enumerate(totals):
+        anc = ancestors(total.op)
+        out[paths[v]] = [paths[u] for u in range(len(paths)) if u != v and grad_ops[u] & anc]
+    return out
+
+
+def row_sizes(batch: int, conv_replicas: int, fc_replicas: int) -> dict[str, list[int]]:
+    """Rows per replica of a ``batch``-row mini-batch: ``{"conv": [...], "fc": [...]}``.
+
+    The batch is cut into ``conv_replicas`` consecutive slices (sizes differ by at most one).
+    With ``I >= J`` A replica ``i`` sends its rows to B replica ``floor(i * J / I)``, so B
+    replica ``j`` holds the rows of its A replicas; with ``I < J`` the batch is cut into ``J``
+    slices.
+
+    Raises:
+        ValueError: ``batch`` is not an int at least the replica count of each group.
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) \
+            or batch < max(conv_replicas, fc_replicas):
+        raise ValueError(f"x: the batch size {batch!r} must be static and at least the replica "
+                         f"count of each group ({conv_replicas} conv, {fc_replicas} fc)")
+    conv = split_sizes(batch, conv_replicas)
+    if conv_replicas >= fc_replicas:
+        fc = [0] * fc_replicas
+        for i, rows in enumerate(conv):
+            fc[i * fc_replicas // conv_replicas] += rows
+    else:
+        fc = split_sizes(batch, fc_replicas)
+    return {"conv": conv, "fc": fc}
+
+
+def _device(var: Any) -> str:
+    return var.value.device if isinstance(var, keras.Variable) else var.device
+
+
+def replica_report(rep: PartReplica, optimizers: Sequence[keras.optimizers.Optimizer],
+                   residuals: Sequence[tf.Variable]) -> dict[str, Any]:
+    """The compute device and the device of every variable a replica owns, by path."""
+    return {
+        "compute_device": rep.device,
+        "variables": {ref.path: _device(var)
+                      for ref, var in zip(rep.trainable_refs, rep.trainable)},
+        "optimizer_slots": {v.path: _device(v) for opt in optimizers for v in opt.variables},
+        "residuals": {ref.path: _device(res) for ref, res in zip(rep.trainable_refs, residuals)},
+    }
+
+
+def variable_bytes(rep: PartReplica, optimizers: Sequence[keras.optimizers.Optimizer],
+                   residuals: Sequence[tf.Variable]) -> list[tuple[str, int]]:
+    """``(device, bytes)`` of every variable a replica owns (copies, slots, residuals)."""
+    owned = [*rep.trainable, *rep.non_trainable,
+             *(v for opt in optimizers for v in opt.variables), *residuals]
+    return [(_device(v), math.prod(int(d) for d in v.shape) * tf.as_dtype(v.dtype).size)
+            for v in owned]
+
+
+def _safe_name(path: str) -> str:
+    return path.replace("/", "_").replace(":", "_")
+
+
+class PartReplica:
+    """One device's copy of a model part.
+
+    Attributes:
+        part: The part (a functional model sharing the original layers).
+        device: The compute device.
+        trainable_refs: The original model's trainable variables of the part.
+        trainable: The replica's copies, same order; ``var_devices[i]`` holds copy ``i``.
+        owners: ``owners[i]``: name of the top-level layer owning variable ``i``.
+        non_trainable: Copies of the non-trainable variables (e.g. BatchNorm statistics).
+    """
+
+    def __init__(self, part: keras.Model, device: str,
+                 device_of_layer: Callable[[str], str]) -> None:
+        self.part = part
+        self.device = device
+        owner_of = {id(v): layer.name for layer in part.layers for v in layer.variables}
+        self.trainable_refs = list(part.trainable_variables)
+        self.non_trainable_refs = list(part.non_trainable_variables)
+        self.owners = [owner_of[id(v)] for v in self.trainable_refs]
+        self.var_devices = [device_of_layer(o) for o in self.owners]
+        self.trainable = [self._copy(v, d, True)
+                          for v, d in zip(self.trainable_refs, self.var_devices)]
+        self.non_trainable = [self._copy(v, device_of_layer(owner_of[id(v)]), False)
+                              for v in self.non_trainable_refs]
+        self._training = "training" in inspect.signature(part.call).parameters
+
+    @staticmethod
+    def _copy(ref: keras.Variable, device: str, trainable: bool) -> keras.Variable:
+        with tf.device(device):  # from numpy: a Variable built from a Variable would alias it
+            return keras.Variable(ref.numpy(), trainable=trainable, dtype=ref.dtype,
+                                  name=_safe_name(ref.path))
+
+    def forward(self, x: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        """Runs the part in training mode on this replica's variables.
+
+        Args:
+            x: Part input [b, ...].
+
+        Returns:
+            ``(y, new_non_trainable)``: the output [b, ...] and the updated state values.
+        """
+        mapping = list(zip(self.trainable_refs, self.trainable)) + \
+            list(zip(self.non_trainable_refs, self.non_trainable))
+        with keras.StatelessScope(mapping) as scope:
+            y = self.part(x, training=True) if self._training else self.part(x)
+        return y, [scope.get_current_value(v) for v in self.non_trainable_refs]
+
+
+class GroupSync:
+    """Variable-by-variable gradient sum over one group's replicas (module docstring).
+
+    Args:
+        replicas: The group's replicas (same variables, in the same order).
+        model: The original model (gives the block rule of each variable's layer).
+        compression: ``None`` (dense) or a checked spec (:func:`check_compression`).
+        name: Group name (``"conv"`` / ``"fc"``), used in op and variable names.
+    """
+
+    def __init__(self, replicas: Sequence[PartReplica], model: keras.Model,
+                 compression: Mapping[str, Any] | None, name: str) -> None:
+        self.replicas = list(replicas)
+        self.name = name
+        self.compression = compression
+        refs = self.replicas[0].trainable_refs
+        self.layouts = blocks.layouts_for(refs, model)
+        self.compressors: list[BlockTopK] = []
+        self.residuals: list[list[tf.Variable]] = []
+        if compression is not None:
+            self.compressors = [BlockTopK([lay], compression["k"], compression["density"],
+                                          compression["metric"]) for lay in self.layouts]
+            for r, rep in enumerate(self.replicas):
+                per_var = []
+                for i, (var, dev) in enumerate(zip(rep.trainable, rep.var_devices)):
+                    with tf.device(dev):
+                        per_var.append(tf.Variable(tf.zeros(var.shape, var.dtype),
+                                                   trainable=False,
+                                                   name=f"{name}_residual_{i}_replica_{r}"))
+                self.residuals.append(per_var)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes one replica contributes per step: ``{"dense": ..., "payload": ...}``."""
+        sizes = [tf.as_dtype(r.dtype).size for r in self.replicas[0].trainable_refs]
+        dense = sum(lay.size * s for lay, s in zip(self.layouts, sizes))
+        if not self.compressors:
+            return {"dense": dense, "payload": dense}
+        payload = sum(n * (lay.block_size * s + 4) for c, lay, s in
+                      zip(self.compressors, self.layouts, sizes) for n in c.counts)
+        return {"dense": dense, "payload": payload}
+
+    def reduce(self, grads: Sequence[Sequence[tf.Tensor]]) -> tuple[list, list]:
+        """Sums ``grads[r][v]`` over replicas ``r`` for every variable ``v``.
+
+        Returns:
+            ``(totals, per_replica)``: ``totals[v]`` the sum [*shape_v] on the group's first
+            compute device; ``per_replica[r][v]`` its copy on replica ``r``'s variable device.
+        """
+        first = self.replicas[0].device
+        totals = []
+        for v in range(len(self.layouts)):
+            with tf.name_scope(f"{self.name}_allreduce_{v}"):
+                column = [g[v] for g in grads]
+                totals.append(self._dense(column, first) if not self.compressors
+                              else self._sparse(v, column, first))
+        per_replica = []
+        for rep in self.replicas:
+            copies = []
+            for total, dev in zip(totals, rep.var_devices):
+                with tf.device(dev):
+                    copies.append(tf.identity(total))
+            per_replica.append(copies)
+        return totals, per_replica
+
+    @staticmethod
+    def _dense(column: Sequence[tf.Tensor], device: str) -> tf.Tensor:
+        with tf.device(device):
+            return column[0] if len(column) == 1 else tf.add_n(list(column))
+
+    def _sparse(self, v: int, column: Sequence[tf.Tensor], device: str) -> tf.Tensor:
+        comp, lay = self.compressors[v], self.layouts[v]
+        prepared = []
+        for r, (rep, g) in enumerate(zip(self.replicas, column)):
+            with tf.device(rep.device):
+                prepared.append(comp.prepare([g], [self.residuals[r][v].read_value()]))
+        with tf.device(device):
+            finite = tf.reduce_all(tf.stack([p.finite for p in prepared]))
+        values, ids = [], []
+        for r, (rep, p) in enumerate(zip(self.replicas, prepared)):
+            with tf.device(rep.device):
+                payload, new_state = comp.finish(p, comp.select(p.scores))
+                res = self.residuals[r][v]
+                res.assign(tf.where(finite, new_state[0], res.read_value()))
+                values.append(payload.values[0])
+                ids.append(payload.ids[0])
+        with tf.device(device):
+            return tf.cond(
+                finite,
+                lambda: selection.scatter_blocks(tf.concat(values, 0), tf.concat(ids, 0), lay),
+                lambda: self._dense(column, device))
