@@ -41,7 +41,8 @@ def define_flags() -> None:
     """The script's flags."""
     flags.DEFINE_list("models", ["vgg_fc", "resnet20"], "Models (launch/train.py --model).")
     flags.DEFINE_list("bandwidths_mbit", ["100", "1000"], "Link rates to shape to.")
-    flags.DEFINE_float("latency_ms", 0.5, "One-way delay added on every shaped link.")
+    flags.DEFINE_float("latency_ms", 0.0, "One-way delay added on every shaped link (needs "
+                       "the kernel's netem module).")
     flags.DEFINE_list("methods", list(TTA_METHODS), "Methods (dense first).")
     flags.DEFINE_integer("num_workers", 4, "Worker processes.")
     flags.DEFINE_float("density", 0.01, "Fraction kept by block and element top-k.")

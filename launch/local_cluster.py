@@ -7,8 +7,15 @@ is streamed line by line to the launcher's stdout prefixed with ``[worker i] `` 
 down at once and the launcher exits with the failing worker's code; Ctrl-C (or SIGTERM)
 tears everything down and exits 130.
 
+With ``--bandwidth_mbit`` and/or ``--latency_ms`` (Linux, root only) every worker runs in its
+own network namespace on a ``tc``-shaped bridge (:mod:`launch.netem`): the cluster spec holds
+the workers' namespace addresses, each command is wrapped in ``ip netns exec``, and the
+namespaces and links are removed when the launcher ends, whatever the reason.  Without root
+the launcher says so and exits 1 before starting anything.
+
     python launch/local_cluster.py --num_workers=2 [--base_port=0] [--log_dir=DIR]
-        [--grace_s=10] [--timeout_s=0] [--keep_gpus] -- python my_train.py --flag=...
+        [--grace_s=10] [--timeout_s=0] [--keep_gpus] [--bandwidth_mbit=100]
+        [--latency_ms=0] -- python my_train.py --flag=...
 
 (one command line; ``--num_workers`` defaults to 2, ``--timeout_s=0`` means no timeout).
 
@@ -21,6 +28,7 @@ Everything after ``--`` is the worker command, passed through untouched.  As a l
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import shlex
@@ -34,6 +42,8 @@ from typing import TextIO
 
 import portpicker
 from absl import app, flags
+
+from launch.netem import NetemError, NetworkCluster
 
 #: Exit code returned when ``timeout_s`` expires (as coreutils ``timeout``).
 TIMEOUT_EXIT_CODE = 124
@@ -49,37 +59,48 @@ _POLL_S = 0.05
 _READER_JOIN_S = 5.0
 
 
-def make_cluster(ports: Sequence[int]) -> dict[str, list[str]]:
-    """Builds the loopback cluster spec for the given worker ports.
+def make_cluster(ports: Sequence[int], hosts: Sequence[str] | None = None
+                 ) -> dict[str, list[str]]:
+    """Builds the cluster spec for the given worker ports.
 
     Args:
         ports: One port per worker, in task-index order.
+        hosts: One host per worker (e.g. namespace addresses); ``None``: ``localhost``.
 
     Returns:
-        ``{"worker": ["localhost:P0", "localhost:P1", ...]}``.
+        ``{"worker": ["localhost:P0", "localhost:P1", ...]}`` (or ``"H_i:P_i"``).
+
+    Raises:
+        ValueError: If ``hosts`` and ``ports`` differ in length.
     """
-    return {"worker": [f"localhost:{int(p)}" for p in ports]}
+    if hosts is None:
+        hosts = ["localhost"] * len(ports)
+    if len(hosts) != len(ports):
+        raise ValueError(f"hosts has {len(hosts)} entries, ports {len(ports)}")
+    return {"worker": [f"{h}:{int(p)}" for h, p in zip(hosts, ports)]}
 
 
-def make_tf_config(ports: Sequence[int], index: int) -> str:
-    """Returns the ``TF_CONFIG`` JSON string of worker ``index`` in a loopback cluster.
+def make_tf_config(ports: Sequence[int], index: int, hosts: Sequence[str] | None = None) -> str:
+    """Returns the ``TF_CONFIG`` JSON string of worker ``index``.
 
     Args:
         ports: One port per worker, in task-index order.
         index: This worker's task index, ``0 <= index < len(ports)``.
+        hosts: One host per worker; ``None``: loopback (``localhost``).
 
     Returns:
         ``'{"cluster": {"worker": [...]}, "task": {"type": "worker", "index": index}}'``.
 
     Raises:
-        ValueError: If ``ports`` is empty or ``index`` is out of range.
+        ValueError: If ``ports`` is empty, ``index`` is out of range or ``hosts`` has the
+            wrong length.
     """
     if not ports:
         raise ValueError("ports must not be empty")
     if not 0 <= index < len(ports):
         raise ValueError(f"index must be in [0, {len(ports)}), got {index}")
-    return json.dumps(
-        {"cluster": make_cluster(ports), "task": {"type": "worker", "index": int(index)}})
+    return json.dumps({"cluster": make_cluster(ports, hosts),
+                       "task": {"type": "worker", "index": int(index)}})
 
 
 def pick_ports(num_workers: int, base_port: int = 0) -> list[int]:
@@ -116,6 +137,7 @@ def worker_env(
     index: int,
     env: Mapping[str, str] | None = None,
     keep_gpus: bool = False,
+    hosts: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """Builds the environment of worker ``index``.
 
@@ -129,6 +151,7 @@ def worker_env(
         index: The worker's task index.
         env: Extra variables; they override the launcher's environment and the GPU hiding.
         keep_gpus: Leave ``CUDA_VISIBLE_DEVICES`` as inherited.
+        hosts: One host per worker for the cluster spec; ``None``: ``localhost``.
 
     Returns:
         The complete environment mapping for ``subprocess.Popen``.
@@ -139,7 +162,7 @@ def worker_env(
     out.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         out.update({str(k): str(v) for k, v in env.items()})
-    out["TF_CONFIG"] = make_tf_config(ports, index)
+    out["TF_CONFIG"] = make_tf_config(ports, index, hosts)
     out["TF_BLOCKSPARSE_WORKER_INDEX"] = str(index)
     out["TF_BLOCKSPARSE_NUM_WORKERS"] = str(len(ports))
     return out
@@ -308,6 +331,8 @@ def run_local_cluster(
     timeout_s: float | None = None,
     base_port: int = 0,
     keep_gpus: bool = False,
+    bandwidth_mbit: float | None = None,
+    latency_ms: float | None = None,
 ) -> int:
     """Runs ``num_workers`` copies of ``command`` as a local multi-worker cluster.
 
@@ -331,6 +356,12 @@ def run_local_cluster(
         base_port: 0 to pick free ports with ``portpicker``, else the first of
             ``num_workers`` consecutive ports.
         keep_gpus: Do not set ``CUDA_VISIBLE_DEVICES=""`` for the workers.
+        bandwidth_mbit: If set (> 0), run every worker in its own network namespace with a
+            link of this rate per direction (see :class:`launch.netem.NetworkCluster`); the
+            cluster spec then holds the namespace addresses instead of ``localhost``.
+        latency_ms: If set (> 0), the same namespaces with this one-way delay per packet
+            (needs the kernel's netem).  Namespaces and links are removed before returning
+            (also on failure, timeout or KeyboardInterrupt).
 
     Returns:
         0 if every worker exited 0; the failing worker's exit code (128 + signal number if
@@ -338,8 +369,11 @@ def run_local_cluster(
         worker could not be started.
 
     Raises:
-        ValueError: If ``num_workers < 1``, ``command`` is empty, ``grace_s < 0`` or
-            ``timeout_s <= 0``.
+        ValueError: If ``num_workers < 1``, ``command`` is empty, ``grace_s < 0``,
+            ``timeout_s <= 0``, ``bandwidth_mbit <= 0`` or ``latency_ms < 0``.
+        launch.netem.NetemUnavailableError: A shaped network was asked for without root,
+            without ``ip`` / ``tc``, or (latency) without netem; nothing was started.
+        launch.netem.NetemError: The network set-up or tear-down failed.
     """
     if isinstance(command, (str, bytes)):
         raise ValueError("command must be a sequence of arguments, not a single string")
@@ -352,6 +386,10 @@ def run_local_cluster(
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 when given, got {timeout_s}")
+    net = None
+    if bandwidth_mbit is not None or latency_ms:
+        net = NetworkCluster(num_workers, bandwidth_mbit=bandwidth_mbit,
+                             latency_ms=latency_ms or 0.0)  # validates both
 
     emit = _Emitter(sys.stdout if stream is None else stream)
     ports = pick_ports(num_workers, base_port)
@@ -360,15 +398,48 @@ def run_local_cluster(
     shown = shlex.join(command).replace("\n", "\\n")
     if len(shown) > _CMD_SHOW:
         shown = shown[: _CMD_SHOW - 3] + "..."
-    emit(f"[launcher] starting {num_workers} worker(s), cluster "
-         f"{json.dumps(make_cluster(ports))}: {shown}")
 
+    with net if net is not None else contextlib.nullcontext():
+        hosts = None
+        if net is not None:
+            hosts = [net.worker_address(i) for i in range(num_workers)]
+            bw = "unshaped" if net.bandwidth_mbit is None else f"{net.bandwidth_mbit:g} Mbit/s"
+            emit(f"[launcher] network: namespaces {net.namespace(0)}..{num_workers - 1} on "
+                 f"bridge namespace {net.bridge_namespace}, subnet {net.subnet}, {bw} per "
+                 f"link and direction, one-way latency {net.latency_ms:g} ms")
+        emit(f"[launcher] starting {num_workers} worker(s), cluster "
+             f"{json.dumps(make_cluster(ports, hosts))}: {shown}")
+        try:
+            return _run_workers(command, num_workers, ports, hosts, net, log_dir, env,
+                                grace_s, emit, timeout_s, keep_gpus)
+        finally:
+            if net is not None:
+                with contextlib.suppress(NetemError, OSError, ValueError, KeyError):
+                    emit("[launcher] network traffic (eth0 bytes per worker): "
+                         + json.dumps(net.traffic()))
+
+
+def _run_workers(
+    command: list[str],
+    num_workers: int,
+    ports: list[int],
+    hosts: list[str] | None,
+    net: NetworkCluster | None,
+    log_dir: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None,
+    grace_s: float,
+    emit: _Emitter,
+    timeout_s: float | None,
+    keep_gpus: bool,
+) -> int:
+    """Starts, watches and tears down the workers (the body of :func:`run_local_cluster`)."""
     workers: list[_Worker] = []
     try:
         for i in range(num_workers):
             log_path = os.path.join(log_dir, f"worker_{i}.log") if log_dir is not None else None
+            argv = command if net is None else net.wrap(command, i)
             try:
-                workers.append(_Worker(i, command, worker_env(ports, i, env, keep_gpus),
+                workers.append(_Worker(i, argv, worker_env(ports, i, env, keep_gpus, hosts),
                                        log_path, emit))
             except OSError as e:
                 emit(f"[launcher] failed to start worker {i}: {e}")
@@ -422,6 +493,12 @@ def define_flags() -> None:
     flags.DEFINE_float("grace_s", 10.0, "Seconds between SIGTERM and SIGKILL on teardown.")
     flags.DEFINE_float("timeout_s", 0.0, "If > 0, kill everything after this long (exit 124).")
     flags.DEFINE_bool("keep_gpus", False, "Do not set CUDA_VISIBLE_DEVICES=\"\" for workers.")
+    flags.DEFINE_float("bandwidth_mbit", None,
+                       "Root only: each worker in its own network namespace on a bridge, its "
+                       "link shaped to this many Mbit/s per direction (tc HTB).")
+    flags.DEFINE_float("latency_ms", None,
+                       "Root only: one-way delay per packet in ms (tc netem; the namespaces as "
+                       "for --bandwidth_mbit, which may be left unset).")
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -442,6 +519,11 @@ def main(argv: Sequence[str]) -> int:
         raise app.UsageError(f"--grace_s must be >= 0, got {fl.grace_s}", exitcode=2)
     if fl.timeout_s < 0:
         raise app.UsageError(f"--timeout_s must be >= 0, got {fl.timeout_s}", exitcode=2)
+    if fl.bandwidth_mbit is not None and not fl.bandwidth_mbit > 0:
+        raise app.UsageError(f"--bandwidth_mbit must be > 0, got {fl.bandwidth_mbit}",
+                             exitcode=2)
+    if fl.latency_ms is not None and not fl.latency_ms >= 0:
+        raise app.UsageError(f"--latency_ms must be >= 0, got {fl.latency_ms}", exitcode=2)
     if fl.base_port and not 1 <= fl.base_port <= 65536 - fl.num_workers:
         raise app.UsageError(f"--base_port={fl.base_port} with --num_workers="
                              f"{fl.num_workers} leaves the port range", exitcode=2)
@@ -460,7 +542,13 @@ def main(argv: Sequence[str]) -> int:
             timeout_s=fl.timeout_s if fl.timeout_s > 0 else None,
             base_port=fl.base_port,
             keep_gpus=fl.keep_gpus,
+            bandwidth_mbit=fl.bandwidth_mbit,
+            latency_ms=fl.latency_ms,
         )
+    except NetemError as e:
+        print(f"[launcher] shaped network unavailable or failed: {e}", file=sys.stderr,
+              flush=True)
+        return 1
     except KeyboardInterrupt:
         print("[launcher] interrupted; all workers terminated", flush=True)
         return INTERRUPTED_EXIT_CODE

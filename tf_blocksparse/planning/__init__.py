@@ -12,6 +12,7 @@
   (PipeDream and bandwidth-oblivious baselines) and
   :mod:`~tf_blocksparse.planning.pipeline_sim` (GPipe / 1F1B schedule simulator).
 - :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement (SPEC S4).
+- :mod:`~tf_blocksparse.planning.scaling`: alpha-beta cost model of the exchanges.
 
 Other planners live beside these as sibling modules.
 """
@@ -49,6 +50,17 @@ from .placement import (
     plan_placement,
 )
 from .profile import LayerProfile, ModelProfile, random_profile, synthetic_profile
+from .scaling import (
+    ExchangeCost,
+    NetworkModel,
+    allgather_mode_time,
+    allgather_time,
+    dense_mode_time,
+    exchange_cost,
+    ring_allreduce_time,
+    scaling_efficiency,
+    shared_mode_time,
+)
 from .schedule import FusionScheduler, simulate, simulate_greedy_cycles
 from .topology import Topology, homogeneous, random_heterogeneous, two_level
 
@@ -65,4 +77,7 @@ __all__ = [
     # memory-aware hybrid placement (SPEC S4)
     "LayerMemory", "LayerPlacement", "MemoryBudget", "PlacementPlan", "evaluate_placement",
     "plan_placement",
+    # alpha-beta scaling projection
+    "ExchangeCost", "NetworkModel", "allgather_mode_time", "allgather_time", "dense_mode_time",
+    "exchange_cost", "ring_allreduce_time", "scaling_efficiency", "shared_mode_time",
 ]

@@ -1,0 +1,702 @@
+"""Bandwidth- and latency-shaped local networks for the local cluster (Linux, root only).
+
+:class:`NetworkCluster` gives every worker its own network namespace, joined through a veth
+pair to one bridge that lives in a dedicated namespace of its own::
+
+    <prefix>br:   bridge br0, ports p0, p1, ...       (egress of p_i shaped: what i receives)
+       |  veth
+    <prefix>w<i>: lo (up) + eth0 = 10.213.x.(i+1)/24  (egress of eth0 shaped: what i sends)
+
+Nothing is created in the root namespace except the names under ``/run/netns``, so the
+cluster's subnet is invisible to (and cannot clash with) the host's own addresses; the
+default subnet is still chosen to avoid every IPv4 address and route of the root namespace,
+so that log lines never look like host addresses.  A worker started with
+:meth:`NetworkCluster.wrap` (``ip netns exec <ns> CMD``) sees only ``lo`` and its ``eth0``, so
+it talks to the others only over the cluster addresses.
+
+Shaping model (``tc``): every worker has a full-duplex link of ``bandwidth_mbit`` to a
+non-blocking switch, as with one NIC per host.  Each link direction is an HTB class of that
+rate: the worker's ``eth0`` egress (its uplink) and the bridge port's egress (its downlink).
+``latency_ms`` is a one-way delay added once per packet (``netem`` under the worker's uplink
+class), so the round trip between two workers grows by ``2 * latency_ms``.  ``netem`` needs the
+kernel's ``sch_netem`` (``CONFIG_NET_SCH_NETEM``); where it is missing, asking for latency
+raises :class:`NetemUnavailableError` (bandwidth alone needs only HTB).
+
+Tear-down is ``ip netns del`` of every namespace (the kernel then removes the veth pairs and
+the bridge with them), after killing any process still inside one.  It runs in ``__exit__``,
+at interpreter exit (``atexit``) and on SIGTERM / SIGHUP (when those are not handled already),
+is idempotent, and also undoes a set-up that failed halfway.  A run killed with SIGKILL leaves
+its namespaces behind: :func:`cleanup_stale` removes them.
+
+    with NetworkCluster(2, bandwidth_mbit=100, latency_ms=1) as net:
+        subprocess.run(net.wrap(["python", "worker.py"], 0))
+        print(net.worker_address(1), measure_link(net, 0, 1))
+
+    python launch/netem.py --bandwidth_mbit=100 [--latency_ms=5] [--num_workers=2]
+    python launch/netem.py --cleanup          # remove the leftovers of killed runs
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ipaddress
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from absl import app, flags
+
+#: Default namespace-name prefix root; a cluster's prefix is ``tfbs<pid>-<n>-``.
+PREFIX_ROOT = "tfbs"
+#: First candidate subnet; the default picks ``10.213.<x>.0/24`` clear of the root namespace.
+DEFAULT_SUBNET_BASE = "10.213.0.0/16"
+#: netem queue length (packets): large enough for 10 Gbit/s x 100 ms without drops.
+NETEM_LIMIT = 100_000
+
+_STALE_RE = re.compile(rf"^{PREFIX_ROOT}(\d+)-\d+-(?:w\d+|br)$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SEQ = itertools.count()
+_CMD_TIMEOUT_S = 30.0
+
+
+class NetemError(RuntimeError):
+    """A namespace, link or ``tc`` command failed."""
+
+
+class NetemUnavailableError(NetemError):
+    """Network namespaces / shaping cannot be used here (not root, no ``ip``/``tc``, no netem)."""
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name) or next(
+        (p for p in (f"/usr/sbin/{name}", f"/sbin/{name}") if os.access(p, os.X_OK)), None)
+    if path is None:
+        raise NetemUnavailableError(
+            f"`{name}` (iproute2) was not found on PATH or in /usr/sbin, /sbin; install "
+            "iproute2 to use a shaped network")
+    return path
+
+
+def require_privileges() -> tuple[str, str]:
+    """Checks that namespaces and ``tc`` can be used; returns the ``ip`` and ``tc`` paths.
+
+    Raises:
+        NetemUnavailableError: Not Linux, not root, or ``ip`` / ``tc`` missing.
+    """
+    if not sys.platform.startswith("linux"):
+        raise NetemUnavailableError(
+            f"a shaped network needs Linux network namespaces; this is {sys.platform}")
+    if os.geteuid() != 0:
+        raise NetemUnavailableError(
+            "a shaped network (--bandwidth_mbit / --latency_ms) needs root: it creates network "
+            "namespaces, veth pairs, a bridge and tc qdiscs; run as root (e.g. sudo) or drop "
+            f"those flags (euid is {os.geteuid()})")
+    return _tool("ip"), _tool("tc")
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Runs one ``ip``/``tc`` command; raises :class:`NetemError` with its stderr on failure."""
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip()
+        cls = NetemUnavailableError if "kind is unknown" in msg else NetemError
+        raise cls(f"`{' '.join(argv)}` failed (exit {proc.returncode}): {msg}")
+    return proc
+
+
+def list_namespaces() -> list[str]:
+    """Names of the named network namespaces (``ip netns list``, without the ids)."""
+    ip, _ = require_privileges()
+    out = _run([ip, "netns", "list"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _namespace_pids(ip: str, ns: str) -> list[int]:
+    out = _run([ip, "netns", "pids", ns], check=False).stdout
+    return [int(t) for t in out.split() if t.isdigit()]
+
+
+def _delete_namespace(ip: str, ns: str, kill: bool = True) -> bool:
+    """Kills what still runs inside ``ns`` (if ``kill``) and deletes it; False if absent."""
+    if not os.path.exists(os.path.join("/run/netns", ns)):
+        return False
+    if kill:
+        for pid in _namespace_pids(ip, ns):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    proc = _run([ip, "netns", "del", ns], check=False)
+    if proc.returncode != 0 and os.path.exists(os.path.join("/run/netns", ns)):
+        raise NetemError(f"could not delete namespace {ns}: {proc.stderr.strip()}")
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale(prefix: str | None = None) -> list[str]:
+    """Removes namespaces left behind by killed runs (and the links inside them).
+
+    Args:
+        prefix: ``None`` removes every ``tfbs<pid>-<n>-w<i>`` / ``...-br`` namespace (the
+            default naming) whose ``<pid>`` no longer runs; a string removes exactly the
+            namespaces ``<prefix>w<i>`` and ``<prefix>br`` of that prefix, whoever made them.
+
+    Returns:
+        The names removed.  Processes still inside a removed namespace are killed.
+
+    Raises:
+        NetemUnavailableError: Not root or no ``ip``.
+        ValueError: If ``prefix`` is empty or has characters other than ``[A-Za-z0-9_.-]``.
+    """
+    if prefix is not None and not _PREFIX_RE.match(prefix):
+        raise ValueError(f"prefix must match {_PREFIX_RE.pattern}, got {prefix!r}")
+    ip, _ = require_privileges()
+    removed = []
+    for ns in list_namespaces():
+        if prefix is None:
+            m = _STALE_RE.match(ns)
+            if not m or _pid_alive(int(m.group(1))):
+                continue
+        elif not re.fullmatch(re.escape(prefix) + r"(?:w\d+|br)", ns):
+            continue
+        if _delete_namespace(ip, ns):
+            removed.append(ns)
+    return removed
+
+
+def _root_networks(ip: str) -> list[ipaddress.IPv4Network]:
+    """IPv4 networks of the root namespace's addresses and routes (default route excluded)."""
+    nets = []
+    for argv in ([ip, "-4", "-o", "addr", "show"], [ip, "-4", "route", "show", "table", "all"]):
+        for tok in _run(argv, check=False).stdout.split():
+            if re.fullmatch(r"\d+\.\d+\.\d+\.\d+(/\d+)?", tok):
+                with contextlib.suppress(ValueError):
+                    nets.append(ipaddress.ip_network(tok, strict=False))
+    return nets
+
+
+def pick_subnet(ip: str | None = None) -> ipaddress.IPv4Network:
+    """The first ``10.213.<x>.0/24`` that overlaps no address or route of the root namespace.
+
+    Raises:
+        NetemError: If all 256 candidates overlap.
+    """
+    taken = _root_networks(ip or require_privileges()[0])
+    for cand in ipaddress.ip_network(DEFAULT_SUBNET_BASE).subnets(new_prefix=24):
+        if not any(cand.overlaps(t) for t in taken):
+            return cand
+    raise NetemError(f"every /24 of {DEFAULT_SUBNET_BASE} overlaps a root-namespace route")
+
+
+def netem_supported() -> bool:
+    """Whether the kernel has the ``netem`` qdisc (needed for ``latency_ms > 0``).
+
+    Probes with a throw-away namespace (created and removed here).
+
+    Raises:
+        NetemUnavailableError: Not root or no ``ip`` / ``tc``.
+    """
+    ip, tc = require_privileges()
+    ns = f"{PREFIX_ROOT}{os.getpid()}-{next(_SEQ)}-br"  # cleanup_stale() finds it if killed
+    _run([ip, "netns", "add", ns])
+    try:
+        proc = _run([tc, "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                    check=False)
+        return proc.returncode == 0
+    finally:
+        _delete_namespace(ip, ns)
+
+
+def _check_positive(name: str, value: float | None, allow_zero: bool) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0 or (value == 0.0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, "
+                         f"got {value!r}")
+    return value
+
+
+class NetworkCluster:
+    """Per-worker network namespaces on one shaped bridge (a context manager).
+
+    Args:
+        num_workers: Number of worker namespaces, ``1 <= num_workers <= hosts of subnet``.
+        bandwidth_mbit: Rate of every worker's link in each direction (Mbit/s, 10**6 bit/s);
+            ``None``: unshaped.
+        latency_ms: One-way delay added to every packet a worker sends (needs netem); the
+            round trip between two workers grows by twice this.  0 or ``None``: none.
+        prefix: Namespace-name prefix; default ``tfbs<pid>-<n>-`` (unique in this process,
+            recognised by :func:`cleanup_stale`).
+        subnet: IPv4 network of the worker addresses (worker ``i`` gets its ``i+1``-th host);
+            default: the first ``10.213.<x>.0/24`` clear of the root namespace.
+        handle_signals: While set up, turn SIGTERM / SIGHUP into ``SystemExit`` (so that the
+            tear-down runs) where those signals still have their default action.
+
+    Raises:
+        ValueError: Bad ``num_workers``, ``bandwidth_mbit``, ``latency_ms``, ``prefix`` or
+            ``subnet``.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        bandwidth_mbit: float | None = None,
+        latency_ms: float | None = 0.0,
+        prefix: str | None = None,
+        subnet: str | None = None,
+        handle_signals: bool = True,
+    ) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        self.num_workers = num_workers
+        self.bandwidth_mbit = _check_positive("bandwidth_mbit", bandwidth_mbit, False)
+        self.latency_ms = _check_positive("latency_ms", latency_ms, True) or 0.0
+        if prefix is None:
+            prefix = f"{PREFIX_ROOT}{os.getpid()}-{next(_SEQ)}-"
+        if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+            raise ValueError(f"prefix must match {_PREFIX_RE.pattern}, got {prefix!r}")
+        self.prefix = prefix
+        self._subnet: ipaddress.IPv4Network | None = None
+        if subnet is not None:
+            try:
+                net = ipaddress.ip_network(subnet, strict=True)
+            except ValueError as e:
+                raise ValueError(f"subnet must be an IPv4 network like 10.213.0.0/24: {e}") \
+                    from None
+            if net.version != 4 or net.num_addresses - 2 < num_workers:
+                raise ValueError(f"subnet {subnet} has no room for {num_workers} workers")
+            self._subnet = net
+        elif num_workers > 253:
+            raise ValueError(f"num_workers must be <= 253 with the default /24 subnet, got "
+                             f"{num_workers}; pass a larger subnet")
+        self.handle_signals = handle_signals
+        self._ip = self._tc = ""
+        self._created: list[str] = []
+        self._lock = threading.RLock()
+        self._active = False
+        self._old_handlers: dict[int, object] = {}
+
+    # ----------------------------------------------------------------- names, addresses
+    @property
+    def bridge_namespace(self) -> str:
+        """The namespace holding the bridge ``br0`` and its ports ``p<i>``."""
+        return f"{self.prefix}br"
+
+    def namespace(self, index: int) -> str:
+        """Namespace name of worker ``index``."""
+        self._check_index(index)
+        return f"{self.prefix}w{index}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace of this cluster: the workers' then the bridge's."""
+        return [self.namespace(i) for i in range(self.num_workers)] + [self.bridge_namespace]
+
+    @property
+    def subnet(self) -> ipaddress.IPv4Network:
+        """The worker subnet (picked on set-up when not given)."""
+        if self._subnet is None:
+            raise RuntimeError("the subnet is picked on set-up: enter the context first")
+        return self._subnet
+
+    def worker_address(self, index: int) -> str:
+        """IPv4 address of worker ``index`` (its ``eth0``)."""
+        self._check_index(index)
+        return str(self.subnet.network_address + index + 1)
+
+    def wrap(self, command: Sequence[str], index: int) -> list[str]:
+        """``["ip", "netns", "exec", <namespace of index>, *command]``.
+
+        ``ip netns exec`` execs the command in place (same pid, same environment).
+        """
+        if isinstance(command, (str, bytes)):
+            raise ValueError("command must be a sequence of arguments, not a single string")
+        return [self._ip or "ip", "netns", "exec", self.namespace(index),
+                *(os.fspath(c) for c in command)]
+
+    def _check_index(self, index: int) -> None:
+        if not isinstance(index, int) or not 0 <= index < self.num_workers:
+            raise ValueError(f"index must be in [0, {self.num_workers}), got {index!r}")
+
+    # ----------------------------------------------------------------- set-up, tear-down
+    def __enter__(self) -> NetworkCluster:
+        self.setup()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def setup(self) -> None:
+        """Creates namespaces, bridge, veth pairs, addresses and qdiscs.
+
+        On any failure (or KeyboardInterrupt) everything created so far is removed before
+        the exception propagates.
+
+        Raises:
+            NetemUnavailableError: Not root, no ``ip`` / ``tc``, or latency without netem.
+            NetemError: A command failed (its stderr is in the message).
+        """
+        with self._lock:
+            if self._active:
+                raise RuntimeError("this NetworkCluster is already set up")
+            self._ip, self._tc = require_privileges()
+            self._active = True
+            atexit.register(self.close)
+            self._install_signal_handlers()
+            try:
+                self._setup()
+            except BaseException:
+                self.close()
+                raise
+
+    def _setup(self) -> None:
+        ip, tc = self._ip, self._tc
+        if self._subnet is None:
+            self._subnet = pick_subnet(ip)
+        stale = [ns for ns in self.namespaces if os.path.exists(f"/run/netns/{ns}")]
+        if stale:
+            raise NetemError(f"namespaces {stale} already exist (a killed run?); remove them "
+                             f"with cleanup_stale({self.prefix!r})")
+        br = self.bridge_namespace
+        self._add_namespace(br)
+        if self.latency_ms > 0:
+            probe = _run([tc, "-n", br, "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                          "1ms"], check=False)
+            if probe.returncode != 0:
+                raise NetemUnavailableError(
+                    f"latency_ms={self.latency_ms:g} needs the netem qdisc, which this kernel "
+                    f"lacks (CONFIG_NET_SCH_NETEM / module sch_netem; tc said: "
+                    f"{probe.stderr.strip()}); drop the latency or use a kernel with netem")
+            _run([tc, "-n", br, "qdisc", "del", "dev", "lo", "root"])
+        _run([ip, "-n", br, "link", "add", "br0", "type", "bridge"])
+        _run([ip, "-n", br, "link", "set", "br0", "up"])
+        for i in range(self.num_workers):
+            ns, port = self.namespace(i), f"p{i}"
+            self._add_namespace(ns)
+            _run([ip, "-n", br, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+                  "netns", ns])
+            _run([ip, "-n", br, "link", "set", port, "master", "br0", "up"])
+            _run([ip, "-n", ns, "addr", "add",
+                  f"{self.worker_address(i)}/{self.subnet.prefixlen}", "dev", "eth0"])
+            _run([ip, "-n", ns, "link", "set", "eth0", "up"])
+            self._shape(tc, ns, "eth0", self.latency_ms)
+            self._shape(tc, br, port, 0.0)
+
+    def _add_namespace(self, ns: str) -> None:
+        self._created.append(ns)  # before creating: a half-made one is removed too
+        _run([self._ip, "netns", "add", ns])
+        _run([self._ip, "-n", ns, "link", "set", "lo", "up"])
+
+    def _shape(self, tc: str, ns: str, dev: str, latency_ms: float) -> None:
+        """HTB rate class (if bandwidth) with a netem leaf (if latency) on ``dev`` egress."""
+        base = [tc, "-n", ns]
+        netem = ["netem", "delay", f"{latency_ms:g}ms", "limit", str(NETEM_LIMIT)]
+        if self.bandwidth_mbit is not None:
+            rate = f"{round(self.bandwidth_mbit * 1e6)}bit"
+            # Burst: 1 ms at line rate, at least one 64 KiB GSO packet.
+            burst = str(max(65536, round(self.bandwidth_mbit * 1e6 / 8 / 1000)))
+            _run([*base, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
+                  "default", "1"])
+            _run([*base, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+                  "rate", rate, "ceil", rate, "burst", burst, "cburst", burst,
+                  "quantum", "65536"])
+            if latency_ms > 0:
+                _run([*base, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                      *netem])
+        elif latency_ms > 0:
+            _run([*base, "qdisc", "add", "dev", dev, "root", "handle", "1:", *netem])
+
+    def close(self) -> None:
+        """Removes every namespace this cluster created (idempotent, safe after a failure).
+
+        Processes still running inside them are killed first (otherwise the kernel would
+        keep the namespaces, and their links, alive without a name).
+        """
+        with self._lock:
+            if not self._active:
+                return
+            errors = []
+            for ns in reversed(self._created):
+                try:
+                    _delete_namespace(self._ip, ns)
+                except (NetemError, OSError, subprocess.SubprocessError) as e:
+                    errors.append(str(e))
+            self._created = [ns for ns in self._created if os.path.exists(f"/run/netns/{ns}")]
+            if errors:
+                raise NetemError("tear-down incomplete: " + "; ".join(errors))
+            self._active = False
+            self._restore_signal_handlers()
+            with contextlib.suppress(Exception):
+                atexit.unregister(self.close)
+
+    def _install_signal_handlers(self) -> None:
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                self._old_handlers[sig] = signal.signal(sig, _exit_on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, old in self._old_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                if signal.getsignal(sig) is _exit_on_signal:
+                    signal.signal(sig, old)  # type: ignore[arg-type]
+        self._old_handlers.clear()
+
+    # ----------------------------------------------------------------- inspection
+    def links(self) -> dict[str, list[str]]:
+        """Per namespace of this cluster that exists, its interface names (for tests/debug)."""
+        out: dict[str, list[str]] = {}
+        for ns in self.namespaces:
+            if os.path.exists(f"/run/netns/{ns}"):
+                text = _run([self._ip or "ip", "-n", ns, "-o", "link", "show"]).stdout
+                out[ns] = [line.split(":")[1].strip().split("@")[0]
+                           for line in text.splitlines() if line.strip()]
+        return out
+
+    def traffic(self) -> list[dict[str, int]]:
+        """Per worker, the bytes its ``eth0`` has sent and received so far (kernel counters).
+
+        Traffic a worker sends to its own address stays on its ``lo`` and is not counted, so
+        non-zero counters show that workers really talked over the shaped links.
+        """
+        out = []
+        for i in range(self.num_workers):
+            text = _run([self._ip or "ip", "-n", self.namespace(i), "-s", "-j", "link", "show",
+                         "eth0"]).stdout
+            stats = json.loads(text)[0]["stats64"]
+            out.append({"tx_bytes": int(stats["tx"]["bytes"]),
+                        "rx_bytes": int(stats["rx"]["bytes"])})
+        return out
+
+    def qdiscs(self, index: int) -> str:
+        """``tc qdisc show`` of worker ``index``'s ``eth0`` and of its bridge port."""
+        return (_run([self._tc or "tc", "-n", self.namespace(index), "qdisc", "show", "dev",
+                      "eth0"]).stdout
+                + _run([self._tc or "tc", "-n", self.bridge_namespace, "qdisc", "show", "dev",
+                        f"p{index}"]).stdout)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM / SIGHUP handler: unwind (so that ``__exit__`` / ``atexit`` tear down)."""
+    raise SystemExit(128 + signum)
+
+
+# --------------------------------------------------------------------- measurements
+_RECEIVER = r"""
+import json, socket, sys, time
+host, seconds, warmup = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+srv = socket.socket()
+srv.bind((host, 0))
+srv.listen(1)
+srv.settimeout(30)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.settimeout(30)
+t_start = t_end = None
+n = 0
+t_first = None
+while True:
+    b = conn.recv(1 << 20)
+    now = time.perf_counter()
+    if not b:
+        break
+    if t_first is None:
+        t_first = now
+    elif now - t_first >= warmup:
+        if t_start is None:
+            t_start = now
+        else:
+            n += len(b)
+            t_end = now
+        if now - t_start >= seconds:
+            break
+conn.close()
+print(json.dumps({"bytes": n, "seconds": (t_end or 0) - (t_start or 0)}), flush=True)
+"""
+
+_SENDER = r"""
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+deadline = time.monotonic() + float(sys.argv[3])
+buf = b"\0" * (1 << 20)
+try:
+    while time.monotonic() < deadline:
+        c.sendall(buf)
+except OSError:
+    pass
+"""
+
+_ECHO = r"""
+import socket, sys
+srv = socket.socket()
+srv.bind((sys.argv[1], 0))
+srv.listen(1)
+srv.settimeout(30)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    b = conn.recv(64)
+    if not b:
+        break
+    conn.sendall(b)
+"""
+
+_PINGER = r"""
+import json, socket, statistics, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(int(sys.argv[3]) + 1):
+    t0 = time.perf_counter()
+    c.sendall(b"x")
+    if c.recv(64) != b"x":
+        raise SystemExit("short echo")
+    rtts.append(time.perf_counter() - t0)
+print(json.dumps(rtts[1:]), flush=True)
+"""
+
+
+def _pair(net: NetworkCluster, src: int, dst: int, server: str, server_args: Sequence[str],
+          client: str, client_args: Sequence[str], timeout_s: float) -> tuple[str, str]:
+    """Runs ``server`` in ``dst`` (its first line is the port), then ``client`` in ``src``."""
+    if src == dst:
+        raise ValueError(f"src and dst must differ, got {src} and {dst}")
+    host = net.worker_address(dst)
+    srv = subprocess.Popen(net.wrap([sys.executable, "-c", server, host, *server_args], dst),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli = None
+    try:
+        assert srv.stdout is not None
+        port = srv.stdout.readline().strip()
+        if not port.isdigit():
+            err = srv.stderr.read() if srv.stderr else ""
+            raise NetemError(f"measurement server failed: {err.strip()}")
+        cli = subprocess.Popen(net.wrap([sys.executable, "-c", client, host, port,
+                                         *client_args], src),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        s_out, s_err = srv.communicate(timeout=timeout_s)
+        c_out, c_err = cli.communicate(timeout=timeout_s)
+        if srv.returncode != 0:
+            raise NetemError(f"measurement server failed: {s_err.strip()}")
+        return s_out, c_out
+    finally:
+        for p in (srv, cli):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def measure_link(net: NetworkCluster, src: int = 0, dst: int = 1, seconds: float = 1.0,
+                 warmup_s: float = 0.3) -> float:
+    """Measures TCP throughput from worker ``src`` to worker ``dst``, in Mbit/s.
+
+    One Python sender streams 1 MiB writes for ``warmup_s + seconds`` (plus slack); the
+    receiver counts the bytes that arrive during ``seconds`` after a ``warmup_s`` warm-up
+    (which hides the token bucket's initial burst and TCP slow start).  Goodput: the TCP/IP
+    headers (about 3% at MTU 1500) are not counted, so a shaped link measures a little under
+    its rate.  The unshaped figure is bounded by these two Python processes, not the kernel.
+
+    Args:
+        net: A set-up cluster.
+        src: Sending worker.
+        dst: Receiving worker.
+        seconds: Measurement window, > 0.
+        warmup_s: Discarded start, >= 0.
+
+    Returns:
+        Megabits (10**6 bit) per second received.
+
+    Raises:
+        ValueError: ``src == dst``, an index out of range, or a bad duration.
+        NetemError: A measurement process failed.
+    """
+    _check_positive("seconds", seconds, False)
+    _check_positive("warmup_s", warmup_s, True)
+    total = seconds + warmup_s
+    out, _ = _pair(net, src, dst, _RECEIVER, [str(seconds), str(warmup_s)], _SENDER,
+                   [str(total + 10.0)], timeout_s=total + 40.0)
+    rec = json.loads(out.strip().splitlines()[-1])
+    if rec["seconds"] <= 0:
+        raise NetemError(f"no data arrived during the measurement window: {rec}")
+    return rec["bytes"] * 8 / rec["seconds"] / 1e6
+
+
+def measure_rtt(net: NetworkCluster, src: int = 0, dst: int = 1, count: int = 20) -> float:
+    """Median TCP round trip (1-byte echo, ``TCP_NODELAY``) from ``src`` to ``dst``, in ms.
+
+    A stand-in for ``ping`` (which needs no extra package this way); it includes two Python
+    socket calls per trip, so an unshaped link shows some tens of microseconds.
+
+    Raises:
+        ValueError: ``src == dst``, an index out of range, or ``count < 1``.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be an int >= 1, got {count!r}")
+    _, out = _pair(net, src, dst, _ECHO, [], _PINGER, [str(count)], timeout_s=60.0)
+    rtts = sorted(json.loads(out.strip().splitlines()[-1]))
+    return 1000 * rtts[len(rtts) // 2]
+
+
+# --------------------------------------------------------------------- CLI
+def define_flags() -> None:
+    """Flags of the stand-alone measurement / clean-up tool."""
+    flags.DEFINE_integer("num_workers", 2, "Worker namespaces to create (>= 2 to measure).")
+    flags.DEFINE_float("bandwidth_mbit", None, "Link rate per worker and direction (Mbit/s).")
+    flags.DEFINE_float("latency_ms", 0.0, "One-way delay per packet (ms); needs netem.")
+    flags.DEFINE_float("seconds", 2.0, "Throughput measurement window (s).")
+    flags.DEFINE_bool("cleanup", False, "Only remove namespaces left by killed runs.")
+
+
+def main(argv: Sequence[str]) -> int:
+    """Sets up a cluster, prints throughput and RTT from worker 0 to 1 as JSON, tears down."""
+    del argv
+    fl = flags.FLAGS
+    try:
+        if fl.cleanup:
+            print(json.dumps({"removed": cleanup_stale()}))
+            return 0
+        if fl.num_workers < 2:
+            raise app.UsageError("--num_workers must be >= 2 to measure a link", exitcode=2)
+        with NetworkCluster(fl.num_workers, fl.bandwidth_mbit, fl.latency_ms) as net:
+            t0 = time.monotonic()
+            mbit = measure_link(net, 0, 1, seconds=fl.seconds)
+            rtt = measure_rtt(net, 0, 1)
+            print(json.dumps({
+                "bandwidth_mbit": fl.bandwidth_mbit, "latency_ms": fl.latency_ms,
+                "measured_mbit": round(mbit, 2), "rtt_ms": round(rtt, 3),
+                "addresses": [net.worker_address(i) for i in range(fl.num_workers)],
+                "seconds": round(time.monotonic() - t0, 2)}))
+        return 0
+    except NetemUnavailableError as e:
+        print(f"netem: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

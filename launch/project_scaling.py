@@ -1,0 +1,477 @@
+"""Projected scaling efficiency of dense, allgather and shared exchange at 8 ... 1024 workers.
+
+Feeds the alpha-beta model of :mod:`tf_blocksparse.planning.scaling` with figures measured
+here: per-variable gradient sizes of ``keras.applications`` ResNet-50 / VGG-16 (weights=None,
+built at ``--image_size``), the block-sparse payload of the real variables for ``k=1`` and
+``density=1%`` (``BlockTopK`` + ``layouts_for``, sizes from ``codec.buffer_nbytes`` of the
+tensors one compress step produces), the selection time (accumulate + select + residual +
+pack, as ``launch/bench_selection.py``) and one forward + backward step on this CPU at
+``--cpu_batch``.  Two compute figures are projected:
+
+- ``cpu_measured``: the step time measured here (slow, so communication looks cheap);
+- ``gpu_assumed``: published single-GPU step times, an *assumption*, not measured here:
+  TensorFlow's benchmark page (tf_cnn_benchmarks, NVIDIA DGX-1, one Tesla P100, batch 64,
+  synthetic data, May 2017): ResNet-50 219 img/s (0.292 s/step), VGG-16 154 img/s (0.416 s);
+  ResNet-101 is not listed there and is interpolated by FLOPs between ResNet-50 and ResNet-152
+  (91.8 img/s): about 129 img/s (0.495 s).  Override with ``--gpu_compute_s``.  The selection
+  time on that GPU is *estimated*: the CPU's measured ratio (compress time / one
+  ``residual += grad`` pass) times that pass modelled on the GPU
+  (3 x gradient bytes / ``--gpu_mem_gbps``), unless ``--gpu_select_s`` gives it.
+
+Writes ``--out`` (JSON: inputs, assumptions, every projection, a sanity check of the dense
+case against Horovod's published 512-GPU / 25 Gbit/s figures, a summary) and a markdown
+table next to it (same name, ``.md``), and prints the table.
+
+    python launch/project_scaling.py [--models=resnet50,vgg16] [--cpu_batch=4]
+        [--workers=8,16,...] [--bandwidths_gbit=1,10,25,100] [--alpha_us=25]
+        [--gpu_compute_s=resnet50=0.292,vgg16=0.416] [--out=benchmarks/results/scaling.json]
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from tf_blocksparse import blocks, codec  # noqa: E402
+from tf_blocksparse.feedback import BlockTopK  # noqa: E402
+from tf_blocksparse.planning import scaling  # noqa: E402
+
+FLAGS = flags.FLAGS
+SCHEMA = "tf_blocksparse.scaling/1"
+BUILDERS: dict[str, Callable[..., keras.Model]] = {
+    "resnet50": keras.applications.ResNet50,
+    "resnet101": keras.applications.ResNet101,
+    "vgg16": keras.applications.VGG16,
+}
+#: Published single-P100 step times at batch 64 (see the module docstring): assumptions.
+GPU_COMPUTE_S = {"resnet50": 64 / 219, "vgg16": 64 / 154, "resnet101": 64 / 129}
+GPU_SOURCE = ("TensorFlow performance benchmarks (tf_cnn_benchmarks), NVIDIA DGX-1, 1x Tesla "
+              "P100, batch 64, synthetic data, May 2017: ResNet-50 219 img/s, VGG-16 154 "
+              "img/s; ResNet-101 interpolated by FLOPs between ResNet-50 and ResNet-152 "
+              "(91.8 img/s): ~129 img/s. Assumed, not measured here.")
+#: Horovod's published scaling efficiency, 512 GPUs (128 hosts x 4 Pascal GPUs), 25 Gbit/s.
+HOROVOD = {"resnet101": 0.90, "vgg16": 0.68}
+HOROVOD_SOURCE = ("Horovod README / Sergeev & Del Balso 2018 (arXiv:1802.05799): 90% for "
+                  "Inception V3 and ResNet-101, 68% for VGG-16, 512 Pascal GPUs, 25 Gbit/s "
+                  "RoCE")
+DEFAULT_WORKERS = [8, 16, 32, 64, 128, 256, 512, 1024]
+DEFAULT_BANDWIDTHS = [1.0, 10.0, 25.0, 100.0]
+
+
+def define_flags() -> None:
+    """Defines the script's flags."""
+    flags.DEFINE_list("models", ["resnet50", "vgg16"], f"Models to project: {sorted(BUILDERS)}.")
+    flags.DEFINE_list("workers", [str(w) for w in DEFAULT_WORKERS], "Cluster sizes.")
+    flags.DEFINE_list("bandwidths_gbit", [f"{b:g}" for b in DEFAULT_BANDWIDTHS],
+                      "Link rates per worker and direction (Gbit/s).")
+    flags.DEFINE_float("alpha_us", 25.0, "Latency per message (microseconds).")
+    flags.DEFINE_float("overlap", 2 / 3, "Optimistic fraction of compute that hides "
+                       "communication (the backward pass).")
+    flags.DEFINE_integer("image_size", 224, "Input height/width the models are built at.")
+    flags.DEFINE_integer("cpu_batch", 4, "Batch of the CPU forward+backward timing.")
+    flags.DEFINE_integer("repeats", 3, "Timed runs per measurement (median).")
+    flags.DEFINE_integer("k", 1, "Blocks per variable of the k selection.")
+    flags.DEFINE_float("density", 0.01, "Block fraction of the density selection.")
+    flags.DEFINE_list("gpu_compute_s", [f"{m}={s:.3f}" for m, s in GPU_COMPUTE_S.items()],
+                      "MODEL=SECONDS per step on one GPU (assumed; default: P100, batch 64).")
+    flags.DEFINE_float("gpu_mem_gbps", 732.0, "GPU memory bandwidth (GB/s) for the selection "
+                       "time estimate (P100: 732).")
+    flags.DEFINE_float("gpu_select_s", None, "Use this selection time on the GPU instead of "
+                       "the estimate.")
+    flags.DEFINE_bool("sanity_check", True, "Add the dense ResNet-101 / VGG-16 check against "
+                      "Horovod (builds ResNet-101 for its sizes).")
+    flags.DEFINE_string("out", "benchmarks/results/scaling.json", "JSON output path.")
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of ``fn`` (after one warm-up call), results fetched to host."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        out = fn()
+        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def build_model(name: str, image_size: int) -> keras.Model:
+    """``keras.applications`` model ``name`` (weights=None, 1000 classes) at ``image_size``.
+
+    Raises:
+        ValueError: An unknown ``name`` or ``image_size < 32``.
+    """
+    if name not in BUILDERS:
+        raise ValueError(f"models must be among {sorted(BUILDERS)}, got {name!r}")
+    if image_size < 32:
+        raise ValueError(f"image_size must be >= 32, got {image_size}")
+    return BUILDERS[name](weights=None, input_shape=(image_size, image_size, 3))
+
+
+def variable_bytes(model: keras.Model) -> list[int]:
+    """Gradient bytes per trainable variable (the dense exchange's tensors)."""
+    return [codec.dense_nbytes(v.shape, v.dtype) for v in model.trainable_variables]
+
+
+def measure_compute(model: keras.Model, batch: int, repeats: int) -> float:
+    """Median seconds of one forward + backward step (no optimizer) at ``batch``."""
+    shape = (batch, *model.input_shape[1:])
+    x = tf.random.stateless_normal(shape, seed=(1, 2))
+    y = tf.zeros((batch,), tf.int32)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    return _median_s(lambda: step()[0], repeats)
+
+
+def measure_selection(model: keras.Model, k: int | None, density: float | None,
+                      repeats: int) -> dict[str, Any]:
+    """Payload sizes (per variable, from one compress step) and compress time on this host."""
+    layouts = blocks.layouts_for(model.trainable_variables, model)
+    comp = BlockTopK(layouts, k=k, density=density)
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.standard_normal(lay.shape, dtype=np.float32)) for lay in layouts]
+    residuals = [tf.Variable(tf.zeros(lay.shape)) for lay in layouts]
+
+    @tf.function
+    def compress():
+        state = [r.read_value() for r in residuals]
+        prepared = comp.prepare(grads, state)
+        payload, new_state = comp.finish(prepared, comp.select(prepared.scores))
+        for r, s in zip(residuals, new_state):
+            r.assign(s)
+        flag = tf.zeros((1,), tf.int32)  # allgather's non-finite flag rides in the id buffer
+        return (codec.pack([*payload.ids, flag]), codec.pack(list(payload.values)),
+                codec.pack(list(prepared.scores)))
+
+    @tf.function
+    def accumulate_pass():
+        for r, g in zip(residuals, grads):
+            r.assign_add(g)
+
+    compress_s = _median_s(compress, repeats)
+    accumulate_s = _median_s(accumulate_pass, repeats)
+    # Per-variable sizes from the tensors one (eager) step produces.
+    prepared = comp.prepare(grads, [r.read_value() for r in residuals])
+    payload, _ = comp.finish(prepared, comp.select(prepared.scores))
+    ids = [codec.buffer_nbytes(t) for t in payload.ids]
+    values = [codec.buffer_nbytes(t) for t in payload.values]
+    scores = [codec.buffer_nbytes(t) for t in prepared.scores]
+    id_buf, val_buf, score_buf = compress()
+    packed = (codec.buffer_nbytes(id_buf), codec.buffer_nbytes(val_buf),
+              codec.buffer_nbytes(score_buf))
+    if packed != (sum(ids) + 4, sum(values), sum(scores)):
+        raise RuntimeError(f"packed buffer sizes {packed} differ from the per-variable sums")
+    dense = sum(codec.buffer_nbytes(g) for g in grads)
+    return {
+        "k": comp.k, "density": comp.density, "blocks_kept": int(sum(comp.counts)),
+        "blocks_total": int(sum(lay.num_blocks for lay in layouts)),
+        "id_bytes": ids, "value_bytes": values, "score_bytes": scores,
+        "allgather_bytes_per_worker": sum(ids) + 4 + sum(values),
+        "shared_bytes_per_worker": sum(scores) + sum(values),
+        "compression_ratio_allgather": round(dense / (sum(ids) + 4 + sum(values)), 2),
+        "compression_ratio_shared": round(dense / (sum(scores) + sum(values)), 2),
+        "select_s_cpu": compress_s, "accumulate_pass_s_cpu": accumulate_s,
+    }
+
+
+def _label(sel: Mapping[str, Any]) -> str:
+    return f"k={sel['k']}" if sel["k"] is not None else f"density={sel['density']:g}"
+
+
+def measure(name: str, image_size: int, cpu_batch: int, repeats: int,
+            selections: Sequence[tuple[int | None, float | None]]) -> dict[str, Any]:
+    """Every measured input of one model."""
+    keras.backend.clear_session()
+    model = build_model(name, image_size)
+    sizes = variable_bytes(model)
+    t0 = time.perf_counter()
+    compute = measure_compute(model, cpu_batch, repeats)
+    sels = {}
+    for k, density in selections:
+        sel = measure_selection(model, k, density, repeats)
+        sels[_label(sel)] = sel
+    return {
+        "parameters": int(sum(int(np.prod(v.shape)) for v in model.trainable_variables)),
+        "variables": len(sizes), "image_size": image_size, "dense_bytes": sum(sizes),
+        "tensor_bytes": sizes, "cpu_batch": cpu_batch, "cpu_compute_s": compute,
+        "selections": sels, "measure_seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _gpu_select_s(sel: Mapping[str, Any], dense_bytes: int, gpu_mem_gbps: float,
+                  override: float | None) -> float:
+    """The GPU selection time: ``override``, else the CPU ratio x a modelled GPU pass."""
+    if override is not None:
+        return override
+    ratio = sel["select_s_cpu"] / sel["accumulate_pass_s_cpu"]
+    return ratio * 3 * dense_bytes / (gpu_mem_gbps * 1e9)
+
+
+def project(models: Mapping[str, Mapping[str, Any]], workers: Sequence[int],
+            bandwidths_gbit: Sequence[float], alpha_s: float, overlap: float,
+            gpu_compute_s: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Every (model, compute source, bandwidth, workers, mode, selection) projection."""
+    rows = []
+    for name, m in models.items():
+        sources = {"cpu_measured": m["cpu_compute_s"]}
+        if name in gpu_compute_s:
+            sources["gpu_assumed"] = gpu_compute_s[name]
+        for source, compute in sources.items():
+            for bw in bandwidths_gbit:
+                net = scaling.NetworkModel(bw, alpha_s)
+                for p in workers:
+                    cases: list[tuple[str, str | None, dict[str, Any]]] = [
+                        ("dense", None, {"dense_bytes": m["tensor_bytes"]}),
+                        ("dense_per_tensor", None,
+                         {"dense_bytes": m["tensor_bytes"], "fused": False})]
+                    for label, sel in m["selections"].items():
+                        sel_s = sel["select_s_cpu"] if source == "cpu_measured" \
+                            else sel["select_s_gpu"]
+                        cases.append(("allgather", label, {
+                            "id_bytes": sum(sel["id_bytes"]) + 4,
+                            "value_bytes": sel["value_bytes"], "select_s": sel_s}))
+                        cases.append(("shared", label, {
+                            "score_bytes": sel["score_bytes"],
+                            "value_bytes": sel["value_bytes"], "select_s": sel_s}))
+                    for mode, label, kw in cases:
+                        cost = scaling.exchange_cost(
+                            "dense" if mode == "dense_per_tensor" else mode, p, net, compute,
+                            overlap=overlap, **kw)
+                        rows.append({
+                            "model": name, "compute": source, "mode": mode,
+                            "selection": label, "workers": p, "bandwidth_gbit": bw,
+                            "compute_s": compute, "comm_s": cost.comm_s,
+                            "select_s": cost.extra_s,
+                            "efficiency_no_overlap": round(cost.efficiency, 4),
+                            "efficiency_overlap": round(cost.efficiency_overlap, 4)})
+    return rows
+
+
+def sanity_check(sizes: Mapping[str, int], alpha_s: float, overlap: float,
+                 gpu_compute_s: Mapping[str, float]) -> dict[str, Any]:
+    """Dense fused ring all-reduce at 512 workers, 25 Gbit/s, beside Horovod's figures."""
+    net = scaling.NetworkModel(25.0, alpha_s)
+    entries = []
+    for name, published in HOROVOD.items():
+        if name not in sizes or name not in gpu_compute_s:
+            continue
+        cost = scaling.exchange_cost("dense", 512, net, gpu_compute_s[name],
+                                     dense_bytes=sizes[name], overlap=overlap)
+        lo, hi = cost.efficiency, cost.efficiency_overlap
+        entries.append({
+            "model": name, "dense_bytes": sizes[name], "compute_s": gpu_compute_s[name],
+            "comm_s": cost.comm_s, "horovod_efficiency": published,
+            "projected_no_overlap": round(lo, 4), "projected_overlap": round(hi, 4),
+            "within_band": bool(lo - 0.05 <= published <= hi + 0.05)})
+    return {"reference": HOROVOD_SOURCE, "workers": 512, "bandwidth_gbit": 25.0,
+            "compute_source": GPU_SOURCE, "band_tolerance": 0.05, "entries": entries}
+
+
+def markdown_table(result: Mapping[str, Any], compute: str = "gpu_assumed") -> str:
+    """Markdown: per model and bandwidth, efficiency (% no overlap / % overlap) per mode."""
+    rows = [r for r in result["projections"] if r["compute"] == compute]
+    if not rows:
+        return ""
+    workers = result["workers"]
+    lines = [f"Scaling efficiency, compute `{compute}`, in % as no-overlap / "
+             f"{result['assumptions']['overlap']:.2f}-overlap (alpha "
+             f"{result['assumptions']['alpha_s'] * 1e6:g} us)", ""]
+    for model in result["models"]:
+        for bw in result["bandwidths_gbit"]:
+            sel = [r for r in rows if r["model"] == model and r["bandwidth_gbit"] == bw]
+            if not sel:
+                continue
+            lines += [f"**{model}, {bw:g} Gbit/s**", "",
+                      "| mode | " + " | ".join(str(w) for w in workers) + " |",
+                      "|---|" + "---|" * len(workers)]
+            keys = list(dict.fromkeys((r["mode"], r["selection"]) for r in sel))
+            for mode, label in keys:
+                cells = []
+                for w in workers:
+                    r = next(x for x in sel if (x["mode"], x["selection"], x["workers"])
+                             == (mode, label, w))
+                    cells.append(f"{100 * r['efficiency_no_overlap']:.0f} / "
+                                 f"{100 * r['efficiency_overlap']:.0f}")
+                name = mode if label is None else f"{mode} {label}"
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _summary(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Per model: sizes, ratios, and the gpu_assumed efficiencies at 1024 workers, 25 Gbit/s."""
+    out = {}
+    for name, m in result["models"].items():
+        best = {}
+        for r in result["projections"]:
+            if (r["model"], r["compute"], r["workers"], r["bandwidth_gbit"]) == (
+                    name, "gpu_assumed", max(result["workers"]), 25.0):
+                key = r["mode"] if r["selection"] is None else f"{r['mode']} {r['selection']}"
+                best[key] = [r["efficiency_no_overlap"], r["efficiency_overlap"]]
+        out[name] = {
+            "parameters": m["parameters"], "dense_mb": round(m["dense_bytes"] / 1e6, 2),
+            "cpu_compute_s": round(m["cpu_compute_s"], 3),
+            "ratios": {lab: [s["compression_ratio_allgather"], s["compression_ratio_shared"]]
+                       for lab, s in m["selections"].items()},
+            f"efficiency_gpu_{max(result['workers'])}w_25gbit": best}
+    return out
+
+
+def run(models: Sequence[str] = ("resnet50", "vgg16"),
+        workers: Sequence[int] = tuple(DEFAULT_WORKERS),
+        bandwidths_gbit: Sequence[float] = tuple(DEFAULT_BANDWIDTHS),
+        alpha_s: float = 25e-6, overlap: float = 2 / 3, image_size: int = 224,
+        cpu_batch: int = 4, repeats: int = 3, k: int = 1, density: float = 0.01,
+        gpu_compute_s: Mapping[str, float] | None = None, gpu_mem_gbps: float = 732.0,
+        gpu_select_s: float | None = None, with_sanity_check: bool = True,
+        out: str | os.PathLike[str] | None = "benchmarks/results/scaling.json",
+        ) -> dict[str, Any]:
+    """Measures, projects and (if ``out``) writes ``out`` and ``out`` with ``.md``.
+
+    Returns:
+        The result record (the JSON written).
+
+    Raises:
+        ValueError: Unknown models, empty ``workers`` / ``bandwidths_gbit``, or a bad
+            number (named).
+    """
+    if not models:
+        raise ValueError("models must not be empty")
+    for m in models:
+        if m not in BUILDERS:
+            raise ValueError(f"models must be among {sorted(BUILDERS)}, got {m!r}")
+    if not workers or any(isinstance(w, bool) or not isinstance(w, int) or w < 1
+                          for w in workers):
+        raise ValueError(f"workers must be non-empty ints >= 1, got {list(workers)!r}")
+    if not bandwidths_gbit or any(not b > 0 for b in bandwidths_gbit):
+        raise ValueError(f"bandwidths_gbit must be non-empty and > 0, got "
+                         f"{list(bandwidths_gbit)!r}")
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    if alpha_s < 0:
+        raise ValueError(f"alpha_s must be >= 0, got {alpha_s}")
+    if cpu_batch < 1 or repeats < 1:
+        raise ValueError(f"cpu_batch and repeats must be >= 1, got {cpu_batch}, {repeats}")
+    if gpu_mem_gbps <= 0:
+        raise ValueError(f"gpu_mem_gbps must be > 0, got {gpu_mem_gbps}")
+    gpu = dict(GPU_COMPUTE_S if gpu_compute_s is None else gpu_compute_s)
+    for name, s in gpu.items():
+        if not s > 0:
+            raise ValueError(f"gpu_compute_s[{name!r}] must be > 0, got {s}")
+
+    t0 = time.perf_counter()
+    measured = {}
+    for name in models:
+        m = measure(name, image_size, cpu_batch, repeats, [(k, None), (None, density)])
+        for sel in m["selections"].values():
+            sel["select_s_gpu"] = _gpu_select_s(sel, m["dense_bytes"], gpu_mem_gbps,
+                                                gpu_select_s)
+        measured[name] = m
+        print(f"[project_scaling] measured {name} in {m['measure_seconds']} s", flush=True)
+    sanity = None
+    if with_sanity_check:
+        sizes = {n: measured[n]["dense_bytes"] for n in measured if image_size == 224}
+        for name in HOROVOD:
+            if name not in sizes:
+                keras.backend.clear_session()
+                sizes[name] = sum(variable_bytes(build_model(name, 224)))
+        sanity = sanity_check(sizes, alpha_s, overlap, gpu)
+
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "tensorflow": tf.__version__,
+                    "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU"},
+        "assumptions": {
+            "cost_model": "alpha-beta, flat ring: all-reduce 2(p-1)a + 2(p-1)/p n/B, "
+                          "all-gather (p-1)a + (p-1) n/B; shared = all-reduce(scores) + "
+                          "all-reduce(values); allgather = all-gather(ids+flag) + "
+                          "all-gather(values); dense = one fused all-reduce (dense_per_tensor:"
+                          " one per variable); efficiency = compute / (compute + select + "
+                          "max(0, comm - overlap*compute))",
+            "alpha_s": alpha_s, "overlap": overlap,
+            "gpu_compute_s": gpu, "gpu_compute_source": GPU_SOURCE,
+            "gpu_select": ("given" if gpu_select_s is not None else
+                           f"estimated: CPU compress/accumulate ratio x 3 x dense bytes / "
+                           f"{gpu_mem_gbps:g} GB/s"),
+            "gradient_dtype": "float32",
+        },
+        "workers": list(workers), "bandwidths_gbit": [float(b) for b in bandwidths_gbit],
+        "models": measured,
+        "projections": project(measured, workers, bandwidths_gbit, alpha_s, overlap, gpu),
+        "sanity_check": sanity,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    result["summary"] = _summary(result)
+    if out is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        with open(os.path.splitext(os.fspath(out))[0] + ".md", "w", encoding="utf-8") as f:
+            f.write(markdown_table(result) + "\n\n" + markdown_table(result, "cpu_measured")
+                    + "\n")
+    return result
+
+
+def _parse_gpu(entries: Sequence[str]) -> dict[str, float]:
+    out = {}
+    for e in entries:
+        name, sep, val = e.partition("=")
+        try:
+            out[name.strip()] = float(val)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise app.UsageError(f"--gpu_compute_s entries must be MODEL=SECONDS, got {e!r}",
+                                 exitcode=2)
+    return out
+
+
+def main(argv: Sequence[str]) -> None:
+    """absl entry point: thin wrapper around :func:`run`."""
+    del argv
+    fl = FLAGS
+    try:
+        workers = [int(w) for w in fl.workers]
+        bandwidths = [float(b) for b in fl.bandwidths_gbit]
+    except ValueError as e:
+        raise app.UsageError(f"--workers / --bandwidths_gbit must be numbers: {e}",
+                             exitcode=2) from None
+    try:
+        result = run(fl.models, workers, bandwidths, fl.alpha_us * 1e-6, fl.overlap,
+                     fl.image_size, fl.cpu_batch, fl.repeats, fl.k, fl.density,
+                     _parse_gpu(fl.gpu_compute_s), fl.gpu_mem_gbps, fl.gpu_select_s,
+                     fl.sanity_check, fl.out)
+    except ValueError as e:
+        raise app.UsageError(str(e), exitcode=2) from None
+    print(markdown_table(result))
+    if result["sanity_check"]:
+        print(json.dumps(result["sanity_check"]["entries"], indent=1))
+    print(json.dumps(result["summary"], indent=1))
+    print(f"[project_scaling] wrote {fl.out}")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

@@ -1,0 +1,268 @@
+"""Tests of the shaped local network (``launch/netem.py``) and its use by the local cluster.
+
+Everything that creates namespaces needs root (and a kernel with veth, bridge and HTB); those
+tests are skipped with the reason otherwise.  The latency check also needs netem.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch import netem
+from launch.local_cluster import run_local_cluster
+from launch.netem import NetemUnavailableError, NetworkCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "launch" / "local_cluster.py"
+
+
+def _namespaces_usable() -> str | None:
+    """None if namespaces can be used here, else the reason they cannot."""
+    try:
+        ip, _ = netem.require_privileges()
+    except NetemUnavailableError as e:
+        return str(e)
+    probe = f"tfbs{os.getpid()}-usable"
+    proc = subprocess.run([ip, "netns", "add", probe], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"cannot create a network namespace: {proc.stderr.strip()}"
+    subprocess.run([ip, "netns", "del", probe], capture_output=True)
+    return None
+
+
+_REASON = _namespaces_usable()
+needs_netns = pytest.mark.skipif(
+    _REASON is not None, reason=f"needs root and network namespaces: {_REASON}")
+
+
+def _existing(prefix: str) -> list[str]:
+    return [n for n in os.listdir("/run/netns") if n.startswith(prefix)] \
+        if os.path.isdir("/run/netns") else []
+
+
+def test_without_root_says_so_and_starts_nothing(monkeypatch):
+    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
+    with pytest.raises(NetemUnavailableError, match="needs root"):
+        with NetworkCluster(2, bandwidth_mbit=10):
+            pass
+    out = io.StringIO()
+    with pytest.raises(NetemUnavailableError, match="needs root"):
+        run_local_cluster([sys.executable, "-c", "print('started')"], 2, bandwidth_mbit=10,
+                          stream=out)
+    assert "started" not in out.getvalue()
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"num_workers": 0}, "num_workers"), ({"bandwidth_mbit": 0}, "bandwidth_mbit"),
+    ({"bandwidth_mbit": -5.0}, "bandwidth_mbit"), ({"latency_ms": -1}, "latency_ms"),
+    ({"prefix": "bad/name"}, "prefix"), ({"subnet": "10.0.0.0/30", "num_workers": 4},
+                                         "subnet"),
+])
+def test_bad_arguments(kwargs, name):
+    args = {"num_workers": 2, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        NetworkCluster(**args)
+
+
+def test_bad_arguments_of_the_launcher():
+    with pytest.raises(ValueError, match="bandwidth_mbit"):
+        run_local_cluster(["true"], 2, bandwidth_mbit=0)
+    with pytest.raises(ValueError, match="latency_ms"):
+        run_local_cluster(["true"], 2, latency_ms=-3)
+
+
+@needs_netns
+def test_setup_and_teardown():
+    with NetworkCluster(3, bandwidth_mbit=50) as net:
+        assert sorted(_existing(net.prefix)) == sorted(net.namespaces)
+        links = net.links()
+        assert sorted(links[net.bridge_namespace]) == ["br0", "lo", "p0", "p1", "p2"]
+        for i in range(3):
+            assert sorted(links[net.namespace(i)]) == ["eth0", "lo"]
+            assert net.worker_address(i) == str(net.subnet.network_address + i + 1)
+            shown = net.qdiscs(i)
+            assert shown.count("qdisc htb 1:") == 2, shown  # eth0 egress and bridge port
+        assert net.wrap(["true"], 2)[-3:] == ["exec", net.namespace(2), "true"]
+        rc = subprocess.run(net.wrap(["ip", "-o", "-4", "addr", "show", "dev", "eth0"], 1),
+                            capture_output=True, text=True)
+        assert f"{net.worker_address(1)}/24" in rc.stdout
+    assert _existing(net.prefix) == []
+    net.close()  # idempotent
+
+
+@needs_netns
+def test_teardown_after_exception_and_halfway_failure(monkeypatch):
+    net = NetworkCluster(2, bandwidth_mbit=10)
+    with pytest.raises(RuntimeError, match="boom"):
+        with net:
+            assert len(_existing(net.prefix)) == 3
+            raise RuntimeError("boom")
+    assert _existing(net.prefix) == []
+
+    calls = []
+
+    def failing_shape(self, tc, ns, dev, latency_ms):
+        calls.append(ns)
+        if len(calls) == 3:  # worker 1's eth0: worker 0 done, worker 1 half made
+            raise netem.NetemError("injected")
+
+    monkeypatch.setattr(NetworkCluster, "_shape", failing_shape)
+    half = NetworkCluster(2, bandwidth_mbit=10)
+    with pytest.raises(netem.NetemError, match="injected"):
+        half.setup()
+    assert len(calls) == 3
+    assert _existing(half.prefix) == []
+
+
+_HOLDER = """
+import os, sys, time
+from launch.netem import NetworkCluster
+with NetworkCluster(2, bandwidth_mbit=10, prefix=sys.argv[1] or None) as net:
+    print(net.prefix, flush=True)
+    time.sleep(60)
+"""
+
+
+def _holder(prefix: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, prefix], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line, "the holder process did not set up its network"
+    return proc, line
+
+
+@needs_netns
+def test_sigterm_tears_down_and_cleanup_stale_after_sigkill():
+    proc, prefix = _holder("")
+    assert len(_existing(prefix)) == 3
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert _existing(prefix) == []
+
+    proc, prefix = _holder("")  # default prefix tfbs<pid>-0-: found by cleanup_stale()
+    proc.kill()
+    proc.wait(timeout=30)
+    left = sorted(_existing(prefix))
+    assert len(left) == 3  # SIGKILL: nothing could run
+    assert set(left) <= set(netem.cleanup_stale())  # its pid is dead
+    assert _existing(prefix) == []
+
+    proc, prefix = _holder(f"tfbstest{os.getpid()}x")
+    proc.kill()
+    proc.wait(timeout=30)
+    netem.cleanup_stale()
+    assert len(_existing(prefix)) == 3  # not the default naming: only removed by name
+    assert sorted(netem.cleanup_stale(prefix)) == [f"{prefix}br", f"{prefix}w0",
+                                                    f"{prefix}w1"]
+    assert _existing(prefix) == []
+
+
+@needs_netns
+def test_shaping_limits_throughput():
+    # A correctness check of the shaping (not a speed test): 10 Mbit/s must measure below
+    # twice its rate and far below the same link unshaped.
+    with NetworkCluster(2, bandwidth_mbit=10) as net:
+        shaped = netem.measure_link(net, 0, 1, seconds=1.0)
+        traffic = net.traffic()
+    with NetworkCluster(2) as net:
+        unshaped = netem.measure_link(net, 1, 0, seconds=0.5)
+    print(f"shaped 10 Mbit/s: {shaped:.2f} Mbit/s, unshaped: {unshaped:.0f} Mbit/s")
+    assert 0 < shaped < 2 * 10
+    assert unshaped > 10 * shaped
+    assert traffic[0]["tx_bytes"] > 1_000_000 and traffic[1]["rx_bytes"] > 1_000_000
+
+
+@needs_netns
+def test_latency_adds_round_trip():
+    if not netem.netem_supported():
+        pytest.skip("the kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so no latency")
+    with NetworkCluster(2, latency_ms=5) as net:
+        rtt = netem.measure_rtt(net, 0, 1, count=10)
+    assert rtt >= 2 * 5 * 0.95  # netem delays every packet by at least its delay
+
+
+@needs_netns
+def test_latency_without_netem_is_a_clear_error():
+    if netem.netem_supported():
+        pytest.skip("this kernel has netem")
+    net = NetworkCluster(2, bandwidth_mbit=10, latency_ms=5)
+    with pytest.raises(NetemUnavailableError, match="netem"):
+        net.setup()
+    assert _existing(net.prefix) == []
+
+
+def _prefix_of(output: str) -> str:
+    m = re.search(r"bridge namespace (\S+)br,", output)
+    assert m, output
+    return m.group(1)
+
+
+@needs_netns
+def test_failing_worker_removes_namespaces():
+    body = textwrap.dedent("""
+        import json, os, sys, time
+        cfg = json.loads(os.environ["TF_CONFIG"])
+        print("HOSTS", cfg["cluster"]["worker"])
+        if cfg["task"]["index"] == 1:
+            sys.exit(3)
+        time.sleep(60)
+    """)
+    out = io.StringIO()
+    rc = run_local_cluster([sys.executable, "-c", body], 2, bandwidth_mbit=10, stream=out,
+                           grace_s=2, timeout_s=60)
+    text = out.getvalue()
+    assert rc == 3, text
+    prefix = _prefix_of(text)
+    hosts = re.search(r"\[worker 0\] HOSTS (.*)", text).group(1)
+    assert "localhost" not in hosts and re.search(r"'10\.213\.\d+\.1:\d+'", hosts), hosts
+    assert _existing(prefix) == []
+
+
+@needs_netns
+def test_cli_sigint_removes_namespaces(tmp_path):
+    code = "import time; print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen(
+        [sys.executable, str(LAUNCHER), "--num_workers=2", "--bandwidth_mbit=10",
+         "--grace_s=2", "--", sys.executable, "-c", code],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if sum("ready" in x for x in lines) == 2:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=30)
+    text = "".join(lines) + rest
+    assert proc.returncode == 130, text
+    assert _existing(_prefix_of(text)) == []
+
+
+@needs_netns
+def test_two_worker_mwms_over_shaped_network(tmp_path):
+    cmd = [sys.executable, str(ROOT / "tests" / "mwms_worker.py"), str(tmp_path), "shared"]
+    out = io.StringIO()
+    rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": str(ROOT)}, timeout_s=240, stream=out,
+                           bandwidth_mbit=100)
+    text = out.getvalue()
+    assert rc == 0, text[-5000:]
+    w0, w1 = (np.load(tmp_path / f"weights_{i}.npz") for i in range(2))
+    for key in w0.files:
+        assert np.array_equal(w0[key], w1[key]), key
+    assert json.loads((tmp_path / "history_0.json").read_text())["replicas"] == 2
+    traffic = json.loads(re.search(r"network traffic \(eth0 bytes per worker\): (.*)",
+                                   text).group(1))
+    assert all(t["tx_bytes"] > 0 and t["rx_bytes"] > 0 for t in traffic), traffic
+    assert _existing(_prefix_of(text)) == []
