@@ -113,7 +113,7 @@ def test_fusion_groups_do_not_change_the_result(mirrored2, mode):
 
 
 def test_each_fusion_group_has_its_own_collectives(mirrored2):
-    from tf_blocksparse.planning.fusion import TensorSpec, execution_order, plan_balanced
+    from tf_blocksparse.planning import TensorSpec, execution_order, plan_balanced
 
     with mirrored2.scope():
         model = _model()
