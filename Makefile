@@ -8,7 +8,7 @@ PYTEST_FLAGS = -q -x -p no:cacheprovider
 
 export TF_CPP_MIN_LOG_LEVEL = 2
 
-.PHONY: venv data test test-slow lint demo bench clean
+.PHONY: venv data test test-slow test-notebooks lint demo bench bench-micro clean
 
 venv: $(STAMP)
 
@@ -43,14 +43,34 @@ test: venv data
 test-slow: venv data
 	$(call run_pytest,-m slow)
 
+# Executes every colab/ notebook headless (CI runs it after `make test`).
+test-notebooks: venv data
+	$(call run_pytest,-m notebooks tests/test_notebooks.py)
+
 lint: venv
 	$(VENV)/bin/ruff check .
 
 demo: venv data
 	$(PY) launch/demo.py
 
-bench: venv
+# Evidence, quick versions (~20 min on 2 cores): refreshes benchmarks/results/.
+# Time to accuracy needs root (network namespaces + tc); it is skipped with a note otherwise.
+bench: venv data
+	$(PY) launch/project_scaling.py --out=benchmarks/results/scaling.json
+	$(PY) launch/bench_convergence.py --epochs=2 --train_samples=12000 --test_samples=2000 \
+		--steps_per_epoch=0 --extra_steps_per_epoch=15 --out=benchmarks/results
+	@if [ "$$(id -u)" = "0" ]; then \
+		$(PY) launch/bench_time_to_accuracy.py --epochs=4 --steps_per_epoch=10 --sparse_epoch_factor=4 \
+			--test_samples=1000 --out=benchmarks/results; \
+	else echo "bench: time to accuracy skipped (needs root for network namespaces)"; fi
+
+# Micro-benchmarks of single features (each prints one JSON object).
+bench-micro: venv
 	$(PY) launch/bench_selection.py
+	$(PY) launch/bench_fusion.py
+	$(PY) launch/bench_clipping.py
+	$(PY) launch/bench_pipeline.py
+	$(PY) launch/bench_hybrid.py
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis runs

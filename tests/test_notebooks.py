@@ -1,0 +1,113 @@
+"""The Colab notebooks in ``colab/``.
+
+Fast checks (run by ``make test``): the committed notebooks carry no outputs, match their
+generator (``colab/build_notebooks.py``) and are linked from the README with a Colab badge.
+
+``test_notebook_runs`` (marked ``notebooks``, run by ``make test-notebooks``) executes every
+notebook top to bottom with nbclient in a fresh kernel of this interpreter (the venv's), in a
+temporary working directory; a cell that raises fails the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COLAB = ROOT / "colab"
+NOTEBOOKS = ("quickstart", "compression_anatomy", "pipeline_planner", "hybrid_placement")
+CELL_TIMEOUT_S = 300
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("build_notebooks", COLAB / "build_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_notebook_is_committed():
+    assert sorted(p.stem for p in COLAB.glob("*.ipynb")) == sorted(NOTEBOOKS)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_has_no_outputs(name):
+    nb = json.loads((COLAB / f"{name}.ipynb").read_text())
+    assert nb["nbformat"] == 4
+    assert nb["metadata"]["kernelspec"]["name"] == "python3"
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code, "a notebook without code"
+    for cell in code:
+        assert cell["outputs"] == [], f"cell {cell.get('id')} has outputs"
+        assert cell["execution_count"] is None, f"cell {cell.get('id')} has an execution count"
+    assert "widgets" not in nb["metadata"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_starts_with_the_install_cell(name):
+    nb = json.loads((COLAB / f"{name}.ipynb").read_text())
+    first_code = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    source = "".join(first_code["source"])
+    assert 'find_spec("tf_blocksparse") is None' in source
+    assert '%pip install -q "git+{REPO}"' in source
+
+
+def test_notebooks_match_their_generator():
+    pytest.importorskip("nbformat")
+    generator = _load_generator()
+    assert set(generator.NOTEBOOKS) == set(NOTEBOOKS)
+    stale = [name for name in NOTEBOOKS
+             if (COLAB / f"{name}.ipynb").read_text() != generator.render(name)]
+    assert not stale, f"run `python colab/build_notebooks.py` to regenerate {stale}"
+
+
+def test_readme_links_every_notebook_with_a_colab_badge():
+    readme = (ROOT / "README.md").read_text()
+    for name in NOTEBOOKS:
+        assert f"blob/main/colab/{name}.ipynb" in readme, f"README does not link {name}"
+    assert readme.count("colab-badge.svg") >= len(NOTEBOOKS)
+
+
+@pytest.fixture(scope="module")
+def kernel_name(tmp_path_factory):
+    """A ``python3`` kernelspec that runs this interpreter, found first on ``JUPYTER_PATH``."""
+    pytest.importorskip("ipykernel")
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (tf_blocksparse tests)", "language": "python"}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", str(root))
+        mp.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+        mp.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # even if CI set Agg
+        mp.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # debugpy's frozen-modules warning
+        yield "python3"
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs(name, kernel_name, tmp_path, record_property):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(COLAB / f"{name}.ipynb", as_version=4)
+    client = nbclient.NotebookClient(
+        nb, kernel_name=kernel_name, timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(tmp_path)}})
+    start = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - start
+    record_property("seconds", round(seconds, 1))
+    print(f"{name}: {seconds:.1f} s")
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "error"]
+    assert not errors
+    images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
+                 for o in c.outputs)
+    assert images >= 1, "no figure was drawn"
