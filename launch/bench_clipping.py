@@ -103,7 +103,11 @@ from absl import app, flags  # noqa: E402
 from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
 
 from launch.bench_fusion import build_model as build_fusion_model  # noqa: E402
-from launch.bench_fusion import ensure_logical_cpus, machine_info  # noqa: E402
+from launch.bench_fusion import (  # noqa: E402
+    ensure_logical_cpus,
+    machine_info,
+    random_replica_batch,
+)
 from models.resnet import resnet20  # noqa: E402
 from tf_blocksparse import BlockSparseOptimizer  # noqa: E402
 from tf_blocksparse.clipping import LocalNormClip  # noqa: E402
@@ -277,17 +281,7 @@ def build_variants(strategy: tf.distribute.Strategy, names: Sequence[str], model
 def make_batch(strategy: tf.distribute.Strategy, batch: int, image_size: int
                ) -> tuple[Any, Any]:
     """A fixed random batch per replica (``x`` [batch, size, size, 3], ``y`` [batch])."""
-
-    def data(ctx: tf.distribute.experimental.ValueContext, labels: bool) -> tf.Tensor:
-        rng = np.random.default_rng(ctx.replica_id_in_sync_group)
-        if labels:
-            return tf.constant(rng.integers(0, CLASSES, size=(batch,)), dtype=tf.int32)
-        return tf.constant(rng.standard_normal((batch, image_size, image_size, 3),
-                                               dtype=np.float32))
-
-    x = strategy.experimental_distribute_values_from_function(lambda c: data(c, False))
-    y = strategy.experimental_distribute_values_from_function(lambda c: data(c, True))
-    return x, y
+    return random_replica_batch(strategy, batch, image_size, CLASSES)
 
 
 def gradient_nbytes(model: keras.Model) -> list[int]:

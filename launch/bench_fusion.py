@@ -375,6 +375,22 @@ def make_train_step(strategy: tf.distribute.Strategy, model: keras.Model, method
     return train_step
 
 
+def random_replica_batch(strategy: tf.distribute.Strategy, batch: int, image_size: int,
+                         classes: int) -> tuple[Any, Any]:
+    """A fixed random batch per replica (``x`` [batch, size, size, 3], ``y`` [batch])."""
+
+    def data(ctx: tf.distribute.experimental.ValueContext, labels: bool) -> tf.Tensor:
+        rng = np.random.default_rng(ctx.replica_id_in_sync_group)
+        if labels:
+            return tf.constant(rng.integers(0, classes, size=(batch,)), dtype=tf.int32)
+        return tf.constant(rng.standard_normal((batch, image_size, image_size, 3),
+                                               dtype=np.float32))
+
+    x = strategy.experimental_distribute_values_from_function(lambda c: data(c, False))
+    y = strategy.experimental_distribute_values_from_function(lambda c: data(c, True))
+    return x, y
+
+
 def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_size: int,
                       batch: int, warmup: int, repeats: int, pack_mib: float,
                       classes: int = 10) -> dict:
@@ -390,15 +406,7 @@ def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_s
         "balanced": len(plan.groups),
     }
 
-    def data(ctx: tf.distribute.experimental.ValueContext, labels: bool) -> tf.Tensor:
-        rng = np.random.default_rng(ctx.replica_id_in_sync_group)
-        if labels:
-            return tf.constant(rng.integers(0, classes, size=(batch,)), dtype=tf.int32)
-        return tf.constant(rng.standard_normal((batch, image_size, image_size, 3),
-                                               dtype=np.float32))
-
-    x = strategy.experimental_distribute_values_from_function(lambda c: data(c, False))
-    y = strategy.experimental_distribute_values_from_function(lambda c: data(c, True))
+    x, y = random_replica_batch(strategy, batch, image_size, classes)
     steps = {m: make_train_step(strategy, model, m, plan, pack_bytes, batch)
              for m in STEP_METHODS}
     trace_s = {}

@@ -43,7 +43,6 @@ Optimizer features that look at several variables at once (``global_clipnorm``) 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -60,7 +59,7 @@ from tf_blocksparse.distribute.hybrid_sync import (
     row_sizes,
     variable_bytes,
 )
-from tf_blocksparse.distribute.pipeline import _make_optimizer, _per_example_loss
+from tf_blocksparse.distribute.pipeline import _make_optimizer, _per_example_loss, loss_part
 from tf_blocksparse.distribute.pipeline_stages import reslice
 from tf_blocksparse.keras.hybrid_split import Boundary, find_boundary, split_model
 
@@ -297,12 +296,7 @@ class HybridTrainer:
     # ------------------------------------------------------------------------ the step
 
     def _loss_part(self, y: tf.Tensor, logits: tf.Tensor, batch: int) -> tf.Tensor:
-        values = self._loss_fn(y, logits)
-        if values.shape.rank == 0:
-            raise ValueError("loss must return per-example values [b] or [b, ...], got a "
-                             "scalar")
-        per_example = math.prod(int(d) for d in values.shape[1:])
-        return tf.reduce_sum(values) / tf.cast(batch * per_example, values.dtype)
+        return loss_part(self._loss_fn, y, logits, batch)
 
     def _step(self, x: Any, y: Any, record: dict | None, update: bool) -> Any:
         x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)

@@ -67,6 +67,22 @@ def _per_example_loss(loss: Any) -> LossFn:
     raise ValueError(f"loss must be a keras Loss, a loss name or a callable, got {loss!r}")
 
 
+def loss_part(loss_fn: LossFn, y: tf.Tensor, logits: tf.Tensor, batch: int) -> tf.Tensor:
+    """One slice's share of the full-batch mean loss: ``sum(per-example loss) / (B * elems)``.
+
+    Args:
+        loss_fn: Per-example loss, ``(y [b, ...], logits [b, ...]) -> [b] or [b, ...]``.
+        y: Targets of the slice [b, ...].
+        logits: Outputs of the slice [b, ...].
+        batch: The full mini-batch size B.
+    """
+    values = loss_fn(y, logits)
+    if values.shape.rank == 0:
+        raise ValueError("loss must return per-example values [b] or [b, ...], got a scalar")
+    per_example = math.prod(int(d) for d in values.shape[1:])
+    return tf.reduce_sum(values) / tf.cast(batch * per_example, values.dtype)
+
+
 def _make_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
     if isinstance(optimizer, keras.optimizers.Optimizer):
         return type(optimizer).from_config(optimizer.get_config())
@@ -195,12 +211,7 @@ class PipelineTrainer:
         return batch
 
     def _loss_part(self, y: tf.Tensor, logits: tf.Tensor, batch: int) -> tf.Tensor:
-        values = self._loss_fn(y, logits)
-        if values.shape.rank == 0:
-            raise ValueError("loss must return per-example values [b] or [b, ...], got a "
-                             "scalar")
-        per_example = math.prod(int(d) for d in values.shape[1:])
-        return tf.reduce_sum(values) / tf.cast(batch * per_example, values.dtype)
+        return loss_part(self._loss_fn, y, logits, batch)
 
     def _forward_backward(self, x: Any, y: Any) -> tuple[tf.Tensor, list, list]:
         """Builds forward, backward and the replica reduction of one mini-batch.
