@@ -299,7 +299,7 @@ def cases(draw, max_layers=6, max_devices=4):
 
 
 @settings(max_examples=150, deadline=None)
-@given(cases())
+@given(cases(max_layers=8, max_devices=4))
 def test_dp_equals_exhaustive(case):
     p, t = case
     plan, ex = plan_pipeline(p, t), plan_exhaustive(p, t)

@@ -7,6 +7,7 @@ devices; the diagonal is ignored (stored as 0).  Builders make homogeneous, two-
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -82,12 +83,66 @@ class Topology:
         return self.bandwidth[a][b]
 
     def total_bandwidth(self, d: int) -> float:
-        """Sum of device ``d``'s link bandwidths (its row without the diagonal)."""
-        return float(sum(self.bandwidth[d]))
+        """Sum of device ``d``'s link bandwidths (its row without the diagonal).
+
+        Summed with :func:`math.fsum` (correctly rounded), so devices whose links have the same
+        values in any order get bit-identical totals and tie exactly.
+        """
+        return math.fsum(self.bandwidth[d])
 
     def bandwidth_order(self) -> tuple[int, ...]:
         """Device ids by total bandwidth, highest first; ties by lower id (SPEC S3 step 2)."""
-        return tuple(sorted(range(self.num_devices), key=lambda d: (-self.total_bandwidth(d), d)))
+        totals = [self.total_bandwidth(d) for d in range(self.num_devices)]
+        return tuple(sorted(range(self.num_devices), key=lambda d: (-totals[d], d)))
+
+    def hierarchy(self, rtol: float = 1e-9) -> tuple[tuple[int, ...],
+                                                     tuple[tuple[int, float], ...]] | None:
+        """The cluster as uniform nested levels (nodes, groups of nodes, ...), if it is one.
+
+        Level 1's components (the *nodes*) are the groups of devices whose mutual bandwidth is
+        the largest link bandwidth ``B_1``: the connected components of the links within
+        ``rtol`` of it.  Level ``k`` joins level-``(k-1)`` components over the links of the
+        next distinct bandwidth ``B_k``, until one component holds every device.  The topology
+        is a hierarchy when at every level each component joins the same number ``m_k`` of
+        level-``(k-1)`` components and every link between two of them has bandwidth ``B_k``
+        (within ``rtol``).  :meth:`homogeneous` gives the one-level hierarchy ``((n, B),)``
+        and :meth:`two_level` ``((devices_per_node, intra_bw), (nodes, inter_bw))``; random
+        links are no hierarchy.
+
+        Args:
+            rtol: Relative tolerance under which two bandwidths count as equal.
+
+        Returns:
+            ``(order, levels)``: ``order`` lists every device component by component at every
+            level (components by lowest id, so each level-``k`` component is a contiguous
+            block of ``m_1 ... m_k`` entries); ``levels[k-1] = (m_k, B_k)`` from the innermost
+            level out, ``B_1 > B_2 > ...``.  ``None`` for one device or no hierarchy.
+        """
+        n = self.num_devices
+        if n < 2:
+            return None
+        bands: list[list[float]] = []  # distinct bandwidths, highest first, merged by rtol
+        for v in sorted(set(self.off_diagonal().tolist()), reverse=True):
+            if bands and math.isclose(v, bands[-1][0], rel_tol=rtol):
+                bands[-1].append(v)
+            else:
+                bands.append([v])
+        comps: list[tuple[int, ...]] = [(d,) for d in range(n)]
+        levels: list[tuple[int, float]] = []
+        for band in bands:
+            lo, hi = band[-1], band[0]
+            groups = _join(self.bandwidth, comps, lo)
+            fan_out = {len(g) for g in groups}
+            if len(fan_out) != 1:
+                return None
+            for g in groups:
+                for p, q in itertools.combinations(g, 2):
+                    if any(not lo <= self.bandwidth[a][b] <= hi
+                           for a in comps[p] for b in comps[q]):
+                        return None
+            levels.append((fan_out.pop(), hi))
+            comps = [tuple(d for c in g for d in comps[c]) for g in groups]
+        return comps[0], tuple(levels)
 
     def ring_bandwidth(self, devices: Sequence[int]) -> float:
         """Slowest edge of the ring ``d_0 -> d_1 -> ... -> d_{r-1} -> d_0`` (inf for r = 1)."""
@@ -164,6 +219,32 @@ class Topology:
         m[iu] = base_bandwidth * rng.uniform(1 - spread, 1, len(iu[0]))
         m = m + m.T
         return cls(m.tolist())
+
+
+def _join(bandwidth: Sequence[Sequence[float]], comps: Sequence[tuple[int, ...]],
+          threshold: float) -> list[list[int]]:
+    """Groups of ``comps`` (indices) connected by links of at least ``threshold`` bytes/s.
+
+    ``comps`` are sorted by their lowest device; so are the groups and their members.
+    """
+    label = {d: c for c, comp in enumerate(comps) for d in comp}
+    parent = list(range(len(comps)))
+
+    def root(c: int) -> int:
+        while parent[c] != c:
+            parent[c] = parent[parent[c]]
+            c = parent[c]
+        return c
+
+    n = len(bandwidth)
+    for a in range(n):
+        for b in range(a + 1, n):
+            if bandwidth[a][b] >= threshold:
+                parent[root(label[a])] = root(label[b])
+    groups: dict[int, list[int]] = {}
+    for c in range(len(comps)):
+        groups.setdefault(root(c), []).append(c)
+    return sorted(groups.values(), key=lambda g: g[0])
 
 
 def _check_count(arg: str, value: int) -> None:
