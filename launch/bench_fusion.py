@@ -4,12 +4,17 @@ Prints one JSON object (all in one process) with:
 
 ``plans``
     For each variable set (``keras.applications`` ResNet-50 / VGG-16, ``weights=None``, float32
-    bytes, execution order = reverse of ``trainable_variables``) and each ``--buffer_mib``: every
-    method of :func:`~tf_blocksparse.planning.balanced.compare_plans` (groups, largest / smallest
-    bytes, imbalance) plus ``imbalance_excluding_oversized`` (groups holding a tensor larger
-    than the buffer left out), the exact optimum of that ratio over every valid plan
-    (:func:`~tf_blocksparse.planning.balanced.min_imbalance`: whether 1.25 is reachable at
-    all) and whether the balanced plan meets ``largest/smallest <= 1.25`` that way.
+    bytes; execution order *derived* from a trace of the forward pass, the reverse of the order
+    it first reads the variables, :mod:`tf_blocksparse.keras.forward_order`; every method gets
+    that same order) and each ``--buffer_mib``: every method of
+    :func:`~tf_blocksparse.planning.compare.compare_plans` (groups, largest / smallest bytes,
+    imbalance, ``imbalance_excluding_oversized``: groups holding a tensor that fills the buffer
+    left out, and the strict ``imbalance_excluding_single_oversized``: only groups that are one
+    single tensor larger than the buffer left out), the exact optimum of the former over every
+    valid plan (:func:`~tf_blocksparse.planning.balanced.min_imbalance`: whether 1.25 is
+    reachable at all) and whether the balanced plan meets ``largest/smallest <= 1.25`` either
+    way.  ``defaults``: the baselines at their own defaults whatever the buffer (DDP: 25 MiB
+    buckets, 1 MiB first bucket; Horovod greedy: 128 MiB).
 ``simulation``
     Gradient-ready times *measured* from real backward passes of ``--sim_model`` on this
     machine (one timestamp per gradient, median over ``--sim_steps`` steps, seconds after the
@@ -25,9 +30,11 @@ Prints one JSON object (all in one process) with:
     ``bytes_per_pack=--pack_mib``) and ``balanced`` (one ``all_reduce`` per
     :func:`~tf_blocksparse.planning.fusion.plan_balanced` group: concat, reduce, split).
 
-Non-finite ratios (a group of 0 bytes) are written as ``null``.
+Non-finite ratios (a group of 0 bytes) are written as ``null``.  ``--sections=plans`` runs
+only the (quick, CPU-light) plans section.
 
     python launch/bench_fusion.py [--buffer_mib=4,16,25,64] [--cycle_ms=5] [--pack_mib=4]
+        [--sections=plans,simulation,step_time]
 """
 
 from __future__ import annotations
@@ -49,14 +56,17 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from tf_blocksparse.keras.forward_order import derive_execution_order  # noqa: E402
 from tf_blocksparse.planning import (  # noqa: E402
     FusionPlan,
     TensorSpec,
     compare_plans,
+    execution_order,
     min_imbalance,
     plan_balanced,
     plan_ddp,
     plan_horovod_greedy,
+    plan_summary,
     plan_tf_group_by_size,
     simulate,
     simulate_greedy_cycles,
@@ -66,6 +76,7 @@ FLAGS = flags.FLAGS
 MIB = 2**20
 BALANCE_TARGET = 1.25
 STEP_METHODS = ("per_tensor", "tf_default", "tf_bytes_per_pack", "balanced")
+SECTIONS = ("plans", "simulation", "step_time")
 MODELS = ("resnet50", "vgg16", "small_cnn")
 UPDATE_NOTE = ("plain SGD v -= lr * reduced_g on every replica via merge_call + "
                "strategy.extended.update (BatchNorm moving statistics update in replica)")
@@ -88,6 +99,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("warmup", 2, "Untimed interleaved rounds of the step.")
     flags.DEFINE_integer("repeats", 11, "Timed interleaved rounds of the step (median).")
     flags.DEFINE_float("pack_mib", 4.0, "bytes_per_pack / balanced buffer of the step, MiB.")
+    flags.DEFINE_list("sections", list(SECTIONS), "Sections to run (plans is the quick one).")
 
 
 # --------------------------------------------------------------------------- set-up helpers
@@ -161,55 +173,90 @@ def _num(x: float, digits: int = 4) -> float | None:
 # --------------------------------------------------------------------------------- plans
 
 
-def _plans(specs: Sequence[TensorSpec], buffer_bytes: int) -> dict[str, FusionPlan]:
+def _plans(specs: Sequence[TensorSpec], buffer_bytes: int,
+           order: Sequence[int] | None) -> dict[str, FusionPlan]:
     """The plans :func:`compare_plans` summarises, with the same arguments."""
     return {
-        "balanced": plan_balanced(specs, buffer_bytes),
-        "tf_group_by_size": plan_tf_group_by_size(specs, buffer_bytes),
-        "ddp": plan_ddp(specs, buffer_bytes, min(MIB, buffer_bytes)),
-        "horovod_greedy": plan_horovod_greedy(specs, buffer_bytes),
+        "balanced": plan_balanced(specs, buffer_bytes, order),
+        "tf_group_by_size": plan_tf_group_by_size(specs, buffer_bytes, order),
+        "ddp": plan_ddp(specs, buffer_bytes, min(MIB, buffer_bytes), order),
+        "horovod_greedy": plan_horovod_greedy(specs, buffer_bytes, order),
     }
 
 
-def plan_buffer_report(specs: Sequence[TensorSpec], buffer_bytes: int) -> dict:
+def _method_row(row: dict, plan: FusionPlan) -> dict:
+    """One method's JSON row from its :func:`plan_summary` and its plan."""
+    if len(plan.groups) != row["groups"]:
+        raise AssertionError(f"{row['method']}: plan differs from compare_plans")
+    return {
+        "buffer_bytes": row["buffer_bytes"], "groups": row["groups"],
+        "largest_bytes": row["largest_bytes"], "smallest_bytes": row["smallest_bytes"],
+        "imbalance": _num(row["imbalance"]),
+        "imbalance_excluding_oversized": _num(row["imbalance_excluding_oversized"]),
+        "imbalance_excluding_single_oversized":
+            _num(row["imbalance_excluding_single_oversized"]),
+        "oversized_groups": sum(plan.is_oversized(g) for g in plan.groups),
+    }
+
+
+def _meets(ratio: float | None) -> bool:
+    return ratio is not None and ratio <= BALANCE_TARGET
+
+
+def plan_buffer_report(specs: Sequence[TensorSpec], buffer_bytes: int,
+                       order: Sequence[int] | None = None) -> dict:
     """Every method's plan summary at one buffer size, and the balanced plan's checks."""
-    plans = _plans(specs, buffer_bytes)
-    methods = {}
-    for row in compare_plans(specs, buffer_bytes):
-        plan = plans[row["method"]]
-        if len(plan.groups) != row["groups"]:
-            raise AssertionError(f"{row['method']}: plan differs from compare_plans")
-        methods[row["method"]] = {
-            "groups": row["groups"], "largest_bytes": row["largest_bytes"],
-            "smallest_bytes": row["smallest_bytes"], "imbalance": _num(row["imbalance"]),
-            "imbalance_excluding_oversized": _num(row["imbalance_excluding_oversized"]),
-            "oversized_groups": sum(plan.is_oversized(g) for g in plan.groups),
-        }
+    plans = _plans(specs, buffer_bytes, order)
+    methods = {row["method"]: _method_row(row, plans[row["method"]])
+               for row in compare_plans(specs, buffer_bytes, order)}
     bal = methods["balanced"]
-    best = min_imbalance(specs, buffer_bytes)
+    best = min_imbalance(specs, buffer_bytes, order)
     return {
         "buffer_mib": buffer_bytes / MIB, "buffer_bytes": buffer_bytes,
         "methods": methods,
         "greedy_min_groups": methods["horovod_greedy"]["groups"],
         "optimal_imbalance_excluding_oversized": _num(best),
         "target_feasible": best <= BALANCE_TARGET,
-        "balanced_meets_1_25": (bal["imbalance_excluding_oversized"] is not None
-                                and bal["imbalance_excluding_oversized"] <= BALANCE_TARGET),
+        "balanced_meets_1_25": _meets(bal["imbalance_excluding_oversized"]),
+        "balanced_meets_1_25_strict": _meets(bal["imbalance_excluding_single_oversized"]),
     }
 
 
+def defaults_report(specs: Sequence[TensorSpec], order: Sequence[int] | None = None) -> dict:
+    """The baselines at their own defaults (:data:`DEFAULT_METHODS`), whatever the buffer:
+    DDP with 25 MiB buckets and a 1 MiB first bucket, Horovod greedy at 128 MiB."""
+    plans = {"ddp_default": plan_ddp(specs, order=order),
+             "horovod_greedy_128mib": plan_horovod_greedy(specs, order=order)}
+    return {m: _method_row(plan_summary(p), p) for m, p in plans.items()}
+
+
+def model_execution_order(model: keras.Model) -> tuple[int, ...]:
+    """The derived backward order of ``model.trainable_variables`` (see the module doc)."""
+    order = derive_execution_order(model, model.trainable_variables)
+    if order is None:
+        raise ValueError(f"cannot derive the execution order of {model.name!r}")
+    return order
+
+
 def plans_section(models: Sequence[str], buffer_mib: Sequence[float]) -> dict:
-    """``plans``: per model, its variable set and one report per buffer size."""
+    """``plans``: per model, its variable set and derived order, the baselines at their
+    defaults and one report per buffer size."""
     out = {}
     for name in models:
         model = build_model(name)
         specs = tensor_specs(model.trainable_variables)
+        order = model_execution_order(model)
         del model
         gc.collect()
         out[name] = {
             "tensors": len(specs), "total_bytes": sum(s.nbytes for s in specs),
             "largest_tensor_bytes": max(s.nbytes for s in specs),
-            "buffers": [plan_buffer_report(specs, int(round(m * MIB))) for m in buffer_mib],
+            "execution_order": "derived: reverse of the forward pass's first variable reads",
+            "order_positions_differing_from_reversed_list":
+                sum(a != b for a, b in zip(order, execution_order(len(specs)))),
+            "defaults": defaults_report(specs, order),
+            "buffers": [plan_buffer_report(specs, int(round(m * MIB)), order)
+                        for m in buffer_mib],
         }
     return out
 
@@ -271,9 +318,10 @@ def measure_ready_times(model: keras.Model, batch: int, image_size: int, warmup:
     return [float(t) for t in ready], statistics.median(fwd), backward
 
 
-def _order_inversions(ready: Sequence[float]) -> float:
-    """Fraction of tensor pairs ready in the opposite order to ``execution_order``."""
-    order = list(range(len(ready)))[::-1]
+def _order_inversions(ready: Sequence[float], order: Sequence[int] | None = None) -> float:
+    """Fraction of tensor pairs ready in the opposite order to ``order`` (default: the
+    fallback :func:`execution_order`, the reverse of the variable list)."""
+    order = list(execution_order(len(ready)) if order is None else order)
     pairs = inv = 0
     for a in range(len(order)):
         for b in range(a + 1, len(order)):
@@ -297,19 +345,21 @@ def simulation_section(model_name: str, image_size: int, batch: int, warmup: int
     """``simulation``: measured ready times through the balanced and Horovod schedulers."""
     model = build_model(model_name, image_size)
     specs = tensor_specs(model.trainable_variables)
+    order = model_execution_order(model)
     ready, forward_s, backward_s = measure_ready_times(model, batch, image_size, warmup, steps)
     del model
     gc.collect()
     total = sum(s.nbytes for s in specs)
     buffer_bytes = max(1, total // buffer_divisor)
     cycle_s = cycle_ms / 1000
-    plan = plan_balanced(specs, buffer_bytes)
+    plan = plan_balanced(specs, buffer_bytes, order)
     return {
         "model": model_name, "image_size": image_size, "batch": batch, "warmup": warmup,
         "steps": steps, "tensors": len(specs), "total_bytes": total,
         "buffer_bytes": buffer_bytes, "cycle_s": cycle_s,
         "forward_s": _num(forward_s, 6), "backward_s": _num(backward_s, 6),
         "ready_order_inversions": _num(_order_inversions(ready)),
+        "ready_order_inversions_derived": _num(_order_inversions(ready, order)),
         "ready_times_s": [round(t, 6) for t in ready],
         "methods": {
             "balanced": _sim_summary(simulate(plan, ready, cycle_s)),
@@ -399,7 +449,7 @@ def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_s
         model = build_model(model_name, image_size, classes)
     specs = tensor_specs(model.trainable_variables)
     pack_bytes = int(round(pack_mib * MIB))
-    plan = plan_balanced(specs, pack_bytes)
+    plan = plan_balanced(specs, pack_bytes, model_execution_order(model))
     collectives = {
         "per_tensor": len(specs), "tf_default": 1,
         "tf_bytes_per_pack": len(plan_tf_group_by_size(specs, pack_bytes).groups),
@@ -446,34 +496,44 @@ def run(buffer_mib: Sequence[float] = (4, 16, 25, 64),
         sim_warmup: int = 3, sim_steps: int = 5, cycle_ms: float = 5.0,
         sim_buffer_divisor: int = 8, step_model: str = "resnet50", step_image_size: int = 32,
         step_batch: int = 8, warmup: int = 2, repeats: int = 11, pack_mib: float = 4.0,
-        strategy: tf.distribute.Strategy | None = None) -> dict:
-    """Runs the three sections and returns the record printed by the script.
+        strategy: tf.distribute.Strategy | None = None,
+        sections: Sequence[str] = SECTIONS) -> dict:
+    """Runs the chosen sections and returns the record printed by the script.
 
     Args:
         strategy: The ``MirroredStrategy`` over two CPU devices to time the step on.  ``None``
             creates the logical CPUs (TF must not be initialised yet) and one strategy; pass
             one when the process already has one (TF gives every instance the same
             collective keys, so two instances that both run collectives clash).
+        sections: Which of :data:`SECTIONS` to run (the record holds only those).
         Others: as the flags of the same names.
     """
-    if strategy is None:
-        ensure_logical_cpus(2)
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    t0 = time.perf_counter()
-    plans = plans_section(plan_models, [float(m) for m in buffer_mib])
-    t1 = time.perf_counter()
-    simulation = simulation_section(sim_model, sim_image_size, sim_batch, sim_warmup, sim_steps,
-                                    cycle_ms, sim_buffer_divisor)
-    t2 = time.perf_counter()
-    step_time = step_time_section(strategy, step_model, step_image_size, step_batch, warmup,
-                                  repeats, pack_mib)
-    t3 = time.perf_counter()
-    return {
-        "plans": plans, "simulation": simulation, "step_time": step_time,
-        "section_seconds": {"plans": round(t1 - t0, 2), "simulation": round(t2 - t1, 2),
-                            "step_time": round(t3 - t2, 2)},
-        "machine": machine_info(),
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise ValueError(f"`sections` must be a non-empty subset of {SECTIONS}, got "
+                         f"{list(sections)!r}")
+    runners = {
+        "plans": lambda: plans_section(plan_models, [float(m) for m in buffer_mib]),
+        "simulation": lambda: simulation_section(sim_model, sim_image_size, sim_batch,
+                                                 sim_warmup, sim_steps, cycle_ms,
+                                                 sim_buffer_divisor),
+        "step_time": lambda: step_time_section(
+            strategy if strategy is not None else _default_strategy(), step_model,
+            step_image_size, step_batch, warmup, repeats, pack_mib),
     }
+    record: dict = {"section_seconds": {}}
+    for name in SECTIONS:
+        if name in sections:
+            t0 = time.perf_counter()
+            record[name] = runners[name]()
+            record["section_seconds"][name] = round(time.perf_counter() - t0, 2)
+    record["machine"] = machine_info()
+    return record
+
+
+def _default_strategy() -> tf.distribute.MirroredStrategy:
+    ensure_logical_cpus(2)
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
 def main(argv: list[str]) -> None:
@@ -487,7 +547,7 @@ def main(argv: list[str]) -> None:
         cycle_ms=FLAGS.cycle_ms, sim_buffer_divisor=FLAGS.sim_buffer_divisor,
         step_model=FLAGS.step_model, step_image_size=FLAGS.step_image_size,
         step_batch=FLAGS.step_batch, warmup=FLAGS.warmup, repeats=FLAGS.repeats,
-        pack_mib=FLAGS.pack_mib)))
+        pack_mib=FLAGS.pack_mib, sections=FLAGS.sections)))
 
 
 if __name__ == "__main__":

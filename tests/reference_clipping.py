@@ -3,8 +3,9 @@
 - value: ``clip(g, lower, upper)`` element-wise;
 - DGC local norm: ``g * min(1, (t / sqrt(N)) / ||g||)``;
 - AGC (NFNets): per unit ``g_u * min(1, lam * max(||w_u||, eps) / max(||g_u||, 1e-6))``, units:
-  the whole tensor for rank <= 1, per output (norm over axis 0) for rank 2-3, per output filter
-  (norm over all axes but the last) for rank >= 4;
+  the whole tensor for rank <= 1, per output (norm over axis 0) for a rank-2 dense kernel, per
+  output filter (norm over all axes but the last) for rank >= 3 (Conv1D/2D/3D kernels); or the
+  units indexed by explicit ``unit_axes`` (one unit per index tuple of those axes);
 - variance / momentum: running statistics of the layer's clipped norm with weight
   ``max(1 / (t + 1), 1 - decay)``; thresholds ``mean + c * std`` / ``factor * average``
   once ``warmup`` norms were seen.
@@ -25,21 +26,20 @@ def np_local_norm_clip(g: np.ndarray, threshold: float, workers: int) -> np.ndar
     return g * min(1.0, t / max(n, 1e-6))
 
 
-def np_agc(g: np.ndarray, w: np.ndarray, lam: float = 0.01, eps: float = 1e-3) -> np.ndarray:
+def np_agc(g: np.ndarray, w: np.ndarray, lam: float = 0.01, eps: float = 1e-3,
+           unit_axes: tuple[int, ...] | None = None) -> np.ndarray:
+    if unit_axes is None:  # NFNets: whole (rank <= 1), else one unit per index of the last axis
+        unit_axes = () if g.ndim <= 1 else (g.ndim - 1,)
+    unit_axes = tuple(a % g.ndim for a in unit_axes)
     g64, w64 = g.astype(np.float64), w.astype(np.float64)
-    if g.ndim <= 1:
-        gn, wn = np.sqrt((g64 ** 2).sum()), np.sqrt((w64 ** 2).sum())
-        return (g64 * min(1.0, lam * max(wn, eps) / max(gn, 1e-6))).astype(g.dtype)
     out = np.empty_like(g64)
-    if g.ndim <= 3:  # units along every axis but 0
-        for idx in np.ndindex(*g.shape[1:]):
-            sl = (slice(None),) + idx
-            gn, wn = np.linalg.norm(g64[sl]), np.linalg.norm(w64[sl])
-            out[sl] = g64[sl] * min(1.0, lam * max(wn, eps) / max(gn, 1e-6))
-    else:  # one unit per output filter (last axis)
-        for c in range(g.shape[-1]):
-            gn, wn = np.linalg.norm(g64[..., c]), np.linalg.norm(w64[..., c])
-            out[..., c] = g64[..., c] * min(1.0, lam * max(wn, eps) / max(gn, 1e-6))
+    for unit in np.ndindex(*[g.shape[a] for a in unit_axes]):
+        sl = [slice(None)] * g.ndim
+        for a, i in zip(unit_axes, unit):
+            sl[a] = i
+        sl = tuple(sl)
+        gn, wn = np.sqrt((g64[sl] ** 2).sum()), np.sqrt((w64[sl] ** 2).sum())
+        out[sl] = g64[sl] * min(1.0, lam * max(wn, eps) / max(gn, 1e-6))
     return out.astype(g.dtype)
 
 

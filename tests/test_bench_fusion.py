@@ -27,6 +27,7 @@ def record(mirrored2: tf.distribute.MirroredStrategy) -> dict:
 def test_record_is_strict_json(record: dict) -> None:
     assert json.loads(json.dumps(record, allow_nan=False)) == record
     assert {"plans", "simulation", "step_time", "machine"} <= set(record)
+    assert set(record["section_seconds"]) == set(bench_fusion.SECTIONS)
     assert record["machine"]["device"] in {"CPU", "GPU"}
     assert record["machine"]["cpus"] > 0
 
@@ -38,10 +39,11 @@ def test_plans_schema_and_balanced_min_count(record: dict) -> None:
     for buf in plans["buffers"]:
         assert set(buf["methods"]) == PLAN_METHODS
         for row in buf["methods"].values():
-            assert row["groups"] > 0
+            assert row["groups"] > 0 and row["buffer_bytes"] == buf["buffer_bytes"]
             assert row["largest_bytes"] >= row["smallest_bytes"] > 0
             assert row["imbalance"] >= 1.0
             assert 1.0 <= row["imbalance_excluding_oversized"] <= row["imbalance"]
+            assert 1.0 <= row["imbalance_excluding_single_oversized"] <= row["imbalance"]
             assert row["oversized_groups"] >= 0
         balanced = buf["methods"]["balanced"]
         assert buf["greedy_min_groups"] == buf["methods"]["horovod_greedy"]["groups"]
@@ -53,6 +55,32 @@ def test_plans_schema_and_balanced_min_count(record: dict) -> None:
         assert isinstance(buf["balanced_meets_1_25"], bool)
         assert buf["balanced_meets_1_25"] == (
             balanced["imbalance_excluding_oversized"] <= bench_fusion.BALANCE_TARGET)
+        assert buf["balanced_meets_1_25_strict"] == (
+            balanced["imbalance_excluding_single_oversized"] <= bench_fusion.BALANCE_TARGET)
+
+
+def test_plans_order_is_derived_and_defaults_are_the_baselines_own(record: dict) -> None:
+    plans = record["plans"]["resnet50"]
+    assert plans["execution_order"].startswith("derived")
+    # ResNet-50 reads each stage's shortcut convolution after the main path's last one
+    assert plans["order_positions_differing_from_reversed_list"] > 0
+    defaults = plans["defaults"]
+    assert set(defaults) == {"ddp_default", "horovod_greedy_128mib"}
+    assert defaults["ddp_default"]["buffer_bytes"] == 25 * bench_fusion.MIB
+    assert defaults["horovod_greedy_128mib"]["buffer_bytes"] == 128 * bench_fusion.MIB
+    # ResNet-50 (~98 MiB of float32 gradients) fits one 128 MiB Horovod buffer
+    assert defaults["horovod_greedy_128mib"]["groups"] == 1
+    assert defaults["ddp_default"]["groups"] > 1
+
+
+def test_sections_run_alone_and_are_checked() -> None:
+    record = bench_fusion.run(buffer_mib=(0.01,), plan_models=("small_cnn",),
+                              sections=("plans",))
+    assert set(record) == {"plans", "section_seconds", "machine"}
+    assert set(record["section_seconds"]) == {"plans"}
+    assert record["plans"]["small_cnn"]["order_positions_differing_from_reversed_list"] == 0
+    with pytest.raises(ValueError, match="`sections`"):
+        bench_fusion.run(sections=("plans", "nope"))
 
 
 def test_simulation_schema(record: dict) -> None:
@@ -61,6 +89,7 @@ def test_simulation_schema(record: dict) -> None:
     assert all(t >= 0 for t in sim["ready_times_s"])
     assert sim["backward_s"] > 0 and sim["forward_s"] > 0 and sim["buffer_bytes"] > 0
     assert 0.0 <= sim["ready_order_inversions"] <= 1.0
+    assert 0.0 <= sim["ready_order_inversions_derived"] <= 1.0
     assert set(sim["methods"]) == {"balanced", "horovod_cycles"}
     for row in sim["methods"].values():
         flat = [b for cycle in row["fused_bytes_per_cycle"] for b in cycle]

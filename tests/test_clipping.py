@@ -42,8 +42,8 @@ def test_local_norm_clip_matches_numpy(g, threshold, workers):
     assert np.linalg.norm(got) <= threshold / np.sqrt(workers) * (1 + 1e-5)
 
 
-@pytest.mark.parametrize("shape", [(), (7,), (6, 5), (4, 3, 5), (3, 3, 4, 6)],
-                         ids=["scalar", "bias", "dense", "multihead", "conv"])
+@pytest.mark.parametrize("shape", [(), (7,), (6, 5), (4, 3, 5), (3, 3, 4, 6), (2, 3, 3, 2, 4)],
+                         ids=["scalar", "bias", "dense", "conv1d", "conv2d", "conv3d"])
 @pytest.mark.parametrize("clip_factor, eps", [(0.01, 1e-3), (0.5, 1e-3), (0.1, 0.5)])
 def test_adaptive_clip_matches_nfnets_formula(shape, clip_factor, eps):
     rng = np.random.default_rng(len(shape))
@@ -58,9 +58,42 @@ def test_adaptive_clip_matches_nfnets_formula(shape, clip_factor, eps):
 
 def test_unitwise_norm_axes():
     assert clip.unitwise_norm(tf.ones((3, 3, 4, 6))).shape == (1, 1, 1, 6)
+    assert clip.unitwise_norm(tf.ones((3, 4, 6))).shape == (1, 1, 6)  # Conv1D: per filter
     assert clip.unitwise_norm(tf.ones((6, 5))).shape == (1, 5)
     assert clip.unitwise_norm(tf.ones((7,))).shape == (1,)
     np.testing.assert_allclose(clip.unitwise_norm(tf.ones((3, 3, 4, 6))).numpy(), 6.0)
+    np.testing.assert_allclose(clip.unitwise_norm(tf.ones((3, 4, 6))).numpy(), np.sqrt(12.0))
+    assert clip.unitwise_norm(tf.ones((3, 3, 5, 4)), unit_axes=(-2,)).shape == (1, 1, 5, 1)
+    assert clip.unitwise_norm(tf.ones((4, 3, 5)), unit_axes=(1, 2)).shape == (1, 3, 5)
+    assert clip.unitwise_norm(tf.ones((4, 3)), unit_axes=()).shape == (1, 1)
+
+
+def test_conv1d_kernel_is_clipped_per_output_filter():
+    # Conv1D kernel (kw, cin, cout): only filter 0's gradient is large, so only filter 0 is
+    # scaled (per-(cin, cout) units would also leave part of filter 0 alone).
+    kernel = keras.layers.Conv1D(3, 2)
+    kernel.build((None, 5, 4))
+    w = kernel.kernel.numpy()
+    g = np.full(w.shape, 1e-4, "float32")
+    g[:, 0, 0] = 50.0  # one input channel of filter 0 only
+    got = clip.adaptive_clip(g, w, 0.01).numpy()
+    np.testing.assert_allclose(got, np_agc(g, w, 0.01), rtol=1e-5, atol=1e-9)
+    np.testing.assert_array_equal(got[..., 1:], g[..., 1:])
+    scale = got[..., 0] / g[..., 0]
+    np.testing.assert_allclose(scale, scale[0, 0], rtol=1e-5)  # one factor for the filter
+    assert scale[0, 0] < 1e-2
+
+
+@pytest.mark.parametrize("shape, unit_axes", [((3, 3, 5, 4), (2,)), ((3, 3, 5, 4), (-2,)),
+                                               ((4, 3, 5), (1, 2)), ((6, 5), (0,)),
+                                               ((6, 5), ())])
+def test_adaptive_clip_explicit_unit_axes_match_numpy(shape, unit_axes):
+    rng = np.random.default_rng(7)
+    g = (rng.standard_normal(shape) * rng.choice([0.01, 30.0], size=shape)).astype("float32")
+    w = rng.standard_normal(shape).astype("float32")
+    got = clip.adaptive_clip(g, w, 0.05, unit_axes=unit_axes).numpy()
+    np.testing.assert_allclose(got, np_agc(g, w, 0.05, unit_axes=unit_axes),
+                               rtol=1e-5, atol=1e-7)
 
 
 def _run_rule(rule, grads):
@@ -118,6 +151,11 @@ def test_rules_compose_in_order():
     (lambda: clip.adaptive_clip(tf.ones(2), tf.ones(2), clip_factor=0.0), "`clip_factor`"),
     (lambda: clip.adaptive_clip(tf.ones(2), tf.ones(2), eps=-1.0), "`eps`"),
     (lambda: clip.adaptive_clip(tf.ones(2), tf.ones(3)), "`grad` shape"),
+    (lambda: clip.adaptive_clip(tf.ones((2, 2)), tf.ones((2, 2)), unit_axes=(2,)),
+     "`unit_axes`"),
+    (lambda: clip.unitwise_norm(tf.ones((2, 2)), unit_axes=(0, -2)), "`unit_axes`"),
+    (lambda: clip.apply_rules([clip.AdaptiveClip()], [tf.ones(2)], [tf.ones(2)], [[]], 1,
+                              unit_axes=[None, None]), "`unit_axes`"),
     (lambda: clip.VarianceClip(c=0.0), "`c`"),
     (lambda: clip.VarianceClip(decay=1.0), "`decay`"),
     (lambda: clip.MomentumClip(warmup_steps=0), "`warmup_steps`"),
@@ -188,6 +226,65 @@ def test_per_replica_state_and_nonfinite_skip(mirrored2):
     after = [s.numpy() for s in mirrored2.experimental_local_results(state.value)]
     for a, b in zip(per_replica, after):
         np.testing.assert_array_equal(a, b)  # skipped step: clipping state untouched
+
+
+def test_restored_clip_state_is_each_replicas_mean(mirrored2, tmp_path):
+    # On-read SUM variables: the checkpoint holds the replicas' sum and a restore gives each
+    # of the N replicas sum / N (documented in the clipping module and the README).
+    rules = [clip.MomentumClip(warmup_steps=1), clip.VarianceClip(warmup_steps=1)]
+
+    def make():
+        with mirrored2.scope():
+            var = keras.Variable(np.zeros((3,), "float32"))
+            opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="dense",
+                                            clipping=rules)
+            opt.build([var])
+        return var, opt
+
+    def local(opt):
+        return [np.stack([s.numpy() for s in mirrored2.experimental_local_results(st.value)])
+                for st in opt.clip_states[0]]  # per rule: [replica, state_size]
+
+    var, opt = make()
+    for scale in (1.0, 2.0):  # different data per replica, so the states differ
+        _replica_apply(mirrored2, opt, var, [np.full(3, scale, "float32"),
+                                             np.full(3, 5.0 * scale, "float32")])
+    saved = local(opt)
+    assert all(not np.allclose(s[0], s[1]) for s in saved)
+    path = tf.train.Checkpoint(optimizer=opt).write(str(tmp_path / "ckpt"))
+
+    _, fresh = make()
+    tf.train.Checkpoint(optimizer=fresh).read(path).assert_existing_objects_matched()
+    for before, after in zip(saved, local(fresh)):
+        for replica in after:
+            np.testing.assert_allclose(replica, before.mean(axis=0), rtol=1e-6)
+        np.testing.assert_allclose(after.sum(axis=0), before.sum(axis=0), rtol=1e-6)
+
+
+def test_agc_units_in_the_optimizer_are_the_block_tables_blocks():
+    # Conv2DTranspose kernel (kh, kw, filters, in): filters on axis -2; EinsumDense kernel
+    # (in, heads, out) with "ab,bcd->acd": one unit per (head, out) pair.
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([
+        keras.Input((3, 3, 2)), keras.layers.Conv2DTranspose(4, 2, name="up"),
+        keras.layers.Flatten(),
+        keras.layers.EinsumDense("ab,bcd->acd", output_shape=(2, 3), name="heads")])
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(1.0), exchange="dense",
+                                    clipping=clip.AdaptiveClip(0.02), model=model)
+    variables = model.trainable_variables
+    opt.build(variables)
+    rng = np.random.default_rng(0)
+    grads = [(rng.standard_normal(v.shape) * rng.choice([0.01, 20.0], size=v.shape))
+             .astype("float32") for v in variables]
+    before = [v.numpy() for v in variables]
+    opt.apply([tf.constant(g) for g in grads], variables)
+    units = {"up/kernel": (2,), "up/bias": None, "heads/kernel": (1, 2)}
+    for v, w, g in zip(variables, before, grads):
+        name = "/".join(v.path.split("/")[-2:])
+        want = np_agc(g, w, 0.02, unit_axes=units[name])
+        np.testing.assert_allclose(w - v.numpy(), want, rtol=1e-4, atol=1e-6)
+        if units[name] is not None:  # NFNets' by-rank default would have differed
+            assert not np.allclose(np_agc(g, w, 0.02), want, rtol=1e-3)
 
 
 def _model():

@@ -381,3 +381,48 @@ def test_balanced_full_tensor_cases():
     plan.validate()
     assert plan.imbalance_excluding_oversized == 1.0 and len(plan.groups) == 3
     assert all(g.members[-1] in (0, 2) for g in plan.groups if plan.is_oversized(g))
+
+
+def test_strict_imbalance_leaves_out_only_single_tensors_above_the_buffer():
+    # backward order 9, 12, 100, 10, 10 with a 30-byte buffer: the balanced plan lets small
+    # tensors ride along with the 100-byte one; the strict measure counts that group.
+    plan = plan_balanced(specs([10, 10, 100, 12, 9]), 30)
+    ride = [g for g in plan.groups if plan.is_oversized(g)]
+    assert len(ride) == 1 and len(ride[0].members) > 1
+    normal = [g.nbytes for g in plan.groups if not plan.is_oversized(g)]
+    assert plan.imbalance_excluding_oversized == max(normal) / min(normal)
+    every = [g.nbytes for g in plan.groups]
+    assert plan.imbalance_excluding_single_oversized == max(every) / min(every)
+    # a lone tensor above the buffer is left out; one exactly the buffer's size is not
+    alone = FusionPlan("x", 30, (0, 1, 2), (FusionGroup((0,), 40), FusionGroup((1,), 30),
+                                            FusionGroup((2,), 20)),
+                       tuple(specs([40, 30, 20])))
+    assert alone.imbalance_excluding_single_oversized == 30 / 20
+    assert alone.imbalance_excluding_oversized == 1.0
+
+
+def test_compare_plans_defaults_and_order():
+    tensors = specs(RESNET50)
+    order = tuple(random.Random(0).sample(range(len(tensors)), len(tensors)))
+    rows = {r["method"]: r for r in compare_plans(tensors, 4 * MiB, order, defaults=True)}
+    assert set(rows) == {"balanced", "tf_group_by_size", "ddp", "horovod_greedy",
+                         "ddp_default", "horovod_greedy_128mib"}
+    assert rows["ddp_default"]["buffer_bytes"] == 25 * MiB
+    assert rows["horovod_greedy_128mib"]["buffer_bytes"] == 128 * MiB
+    assert rows["ddp_default"]["groups"] == len(plan_ddp(tensors, order=order).groups)
+    assert rows["balanced"]["groups"] == len(plan_balanced(tensors, 4 * MiB, order).groups)
+    for plan in (plan_ddp(tensors, order=order), plan_horovod_greedy(tensors, order=order),
+                 plan_tf_group_by_size(tensors, 4 * MiB, order)):
+        assert plan.order == order  # one dtype: groups are contiguous runs of the given order
+    assert set(compare_plans(tensors, 4 * MiB)[0]) >= {
+        "imbalance_excluding_oversized", "imbalance_excluding_single_oversized"}
+
+
+def test_plan_backward_takes_a_derived_order():
+    from tf_blocksparse.planning import plan_backward
+
+    nbytes, dtypes = [60, 12, 80, 20], ["float32"] * 4
+    assert plan_backward(nbytes, dtypes, 100).order == (3, 2, 1, 0)
+    assert plan_backward(nbytes, dtypes, 100, order=(1, 0, 3, 2)).order == (1, 0, 3, 2)
+    with pytest.raises(ValueError, match="order"):
+        plan_backward(nbytes, dtypes, 100, order=(0, 0, 1, 2))

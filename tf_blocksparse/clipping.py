@@ -14,13 +14,20 @@ Rules (any combination, applied in the order given):
 
 - :class:`ValueClip`: element-wise to ``[lower, upper]`` (the seed's two thresholds).
 - :class:`LocalNormClip`: norm clipping with DGC's scaling, threshold ``t * N^-1/2``.
-- :class:`AdaptiveClip`: NFNets' unit-wise Adaptive Gradient Clipping.
+- :class:`AdaptiveClip`: NFNets' unit-wise Adaptive Gradient Clipping (units: see
+  :mod:`tf_blocksparse.unitwise`; in ``BlockSparseOptimizer`` a rank >= 2 variable's units are
+  its blocks in the block-rule table, e.g. a ``Conv2DTranspose`` kernel's filters on axis -2).
 - :class:`VarianceClip`: norm clipped at ``mean + c * std`` of the layer's running norms.
 - :class:`MomentumClip`: norm clipped at ``factor *`` an exponential moving average of them.
 
 State is explicit (optax style): ``init(shape) -> state`` [S] float32 per variable,
 ``clip(grad, param, state, num_workers) -> (grad, state)``.  Only the Keras adapter owns
 variables (one per rule and variable, per replica, checkpointed with the optimizer).
+
+Checkpoints hold the replicas' *sum*: the state variables are on-read ``SUM`` variables, so
+saving writes the sum over replicas and restoring gives each of the ``N`` replicas ``sum / N``.
+After a restore every replica therefore starts from the replicas' mean state (the sum is
+preserved; the per-replica differences are not).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
+
+from tf_blocksparse.unitwise import adaptive_clip, unitwise_norm
 
 __all__ = ["AdaptiveClip", "ClipRule", "LocalNormClip", "MomentumClip", "ValueClip",
            "VarianceClip", "adaptive_clip", "apply_rules", "as_rules", "local_norm_clip",
@@ -53,58 +62,6 @@ def value_clip(grad: tf.Tensor, lower: float, upper: float) -> tf.Tensor:
         raise ValueError(f"`lower` ({lower}) must be <= `upper` ({upper})")
     grad = tf.convert_to_tensor(grad)
     return tf.clip_by_value(grad, tf.cast(lower, grad.dtype), tf.cast(upper, grad.dtype))
-
-
-def unitwise_norm(x: tf.Tensor) -> tf.Tensor:
-    """NFNets' unit-wise L2 norm, broadcastable to ``x``.
-
-    A scalar or vector is one unit; a rank-2 or rank-3 kernel (Dense ``(in, out)``, multi-head
-    ``(in, heads, out)``) has one unit per output, norms over axis 0; a rank-4+ convolution
-    kernel ``(kh, kw, cin, cout)`` one per output filter, norms over all axes but the last.
-
-    Args:
-        x: Tensor [*shape].
-
-    Returns:
-        Norms [1 x ... x 1] (rank <= 1), [1, *shape[1:]] (rank 2-3) or [1, ..., 1, cout].
-    """
-    x = tf.convert_to_tensor(x)
-    rank = x.shape.rank
-    if rank <= 1:
-        axes = list(range(rank))
-    elif rank <= 3:
-        axes = [0]
-    else:
-        axes = list(range(rank - 1))
-    return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axes, keepdims=True))
-
-
-def adaptive_clip(grad: tf.Tensor, param: tf.Tensor, clip_factor: float = 0.01,
-                  eps: float = 1e-3) -> tf.Tensor:
-    """Adaptive Gradient Clipping (Brock et al. 2021, NFNets), unit-wise.
-
-    ``g_unit *= min(1, clip_factor * max(||w_unit||, eps) / max(||g_unit||, 1e-6))``.
-
-    Args:
-        grad: Gradient [*shape].
-        param: The variable's value [*shape].
-        clip_factor: lambda (> 0).
-        eps: Floor of the weight norm (>= 0).
-
-    Returns:
-        The clipped gradient [*shape].
-    """
-    if not clip_factor > 0:
-        raise ValueError(f"`clip_factor` must be > 0, got {clip_factor!r}")
-    if not eps >= 0:
-        raise ValueError(f"`eps` must be >= 0, got {eps!r}")
-    grad = tf.convert_to_tensor(grad)
-    param = tf.cast(tf.convert_to_tensor(param), grad.dtype)
-    if grad.shape != param.shape:
-        raise ValueError(f"`grad` shape {grad.shape} != `param` shape {param.shape}")
-    w_norm = tf.maximum(unitwise_norm(param), eps)
-    g_norm = tf.maximum(unitwise_norm(grad), _TINY)
-    return grad * tf.minimum(1.0, clip_factor * w_norm / g_norm)
 
 
 def _clip_to_norm(grad: tf.Tensor, threshold: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -143,8 +100,8 @@ class ClipRule:
         del shape
         return tf.zeros([self.state_size], tf.float32)
 
-    def clip(self, grad: tf.Tensor, param: tf.Tensor, state: tf.Tensor, num_workers: int
-             ) -> tuple[tf.Tensor, tf.Tensor]:
+    def clip(self, grad: tf.Tensor, param: tf.Tensor, state: tf.Tensor, num_workers: int,
+             unit_axes: Sequence[int] | None = None) -> tuple[tf.Tensor, tf.Tensor]:
         """Clips one variable's local gradient.
 
         Args:
@@ -152,6 +109,8 @@ class ClipRule:
             param: The variable's value [*shape].
             state: This rule's state for the variable [state_size].
             num_workers: Replicas in sync.
+            unit_axes: Axes that index the variable's units, for unit-wise rules (AGC);
+                ``None`` for NFNets' default by rank.  Other rules ignore it.
 
         Returns:
             ``(clipped grad [*shape], new state [state_size])``.
@@ -173,7 +132,7 @@ class ValueClip(ClipRule):
         if not self.lower <= self.upper:
             raise ValueError(f"`lower` ({self.lower}) must be <= `upper` ({self.upper})")
 
-    def clip(self, grad, param, state, num_workers):
+    def clip(self, grad, param, state, num_workers, unit_axes=None):
         return value_clip(grad, self.lower, self.upper), state
 
 
@@ -187,7 +146,7 @@ class LocalNormClip(ClipRule):
         if not self.threshold > 0:
             raise ValueError(f"`threshold` must be > 0, got {self.threshold!r}")
 
-    def clip(self, grad, param, state, num_workers):
+    def clip(self, grad, param, state, num_workers, unit_axes=None):
         return local_norm_clip(grad, self.threshold, num_workers), state
 
 
@@ -204,8 +163,8 @@ class AdaptiveClip(ClipRule):
         if not self.eps >= 0:
             raise ValueError(f"`eps` must be >= 0, got {self.eps!r}")
 
-    def clip(self, grad, param, state, num_workers):
-        return adaptive_clip(grad, param, self.clip_factor, self.eps), state
+    def clip(self, grad, param, state, num_workers, unit_axes=None):
+        return adaptive_clip(grad, param, self.clip_factor, self.eps, unit_axes), state
 
 
 def _weight(count: tf.Tensor, decay: float) -> tf.Tensor:
@@ -240,7 +199,7 @@ class VarianceClip(ClipRule):
             raise ValueError(f"`c` must be > 0, got {self.c!r}")
         _check_stats_args(self.decay, self.warmup_steps)
 
-    def clip(self, grad, param, state, num_workers):
+    def clip(self, grad, param, state, num_workers, unit_axes=None):
         mean, var, count = state[0], state[1], state[2]
         armed = count >= float(self.warmup_steps)
         threshold = tf.where(armed, mean + self.c * tf.sqrt(tf.maximum(var, 0.0)), float("inf"))
@@ -270,7 +229,7 @@ class MomentumClip(ClipRule):
             raise ValueError(f"`factor` must be > 0, got {self.factor!r}")
         _check_stats_args(self.decay, self.warmup_steps)
 
-    def clip(self, grad, param, state, num_workers):
+    def clip(self, grad, param, state, num_workers, unit_axes=None):
         avg, count = state[0], state[1]
         armed = count >= float(self.warmup_steps)
         threshold = tf.where(armed, self.factor * avg, float("inf"))
@@ -313,7 +272,9 @@ def rule_config(rule: ClipRule) -> dict[str, Any]:
 
 def apply_rules(rules: Sequence[ClipRule], grads: Sequence[tf.Tensor],
                 params: Sequence[tf.Tensor], states: Sequence[Sequence[tf.Tensor]],
-                num_workers: int) -> tuple[list[tf.Tensor], list[list[tf.Tensor]]]:
+                num_workers: int,
+                unit_axes: Sequence[Sequence[int] | None] | None = None
+                ) -> tuple[list[tf.Tensor], list[list[tf.Tensor]]]:
     """Runs every rule, in order, on every variable's local gradient.
 
     Args:
@@ -322,16 +283,22 @@ def apply_rules(rules: Sequence[ClipRule], grads: Sequence[tf.Tensor],
         params: Variable values, per variable [*shape].
         states: Per variable, the state [state_size] of each *stateful* rule, in rule order.
         num_workers: Replicas in sync.
+        unit_axes: Optional, per variable, the axes that index its AGC units (``None``
+            entries: the default by rank); see :mod:`tf_blocksparse.unitwise`.
 
     Returns:
         ``(clipped gradients, new states)`` shaped like the arguments.
     """
+    if unit_axes is None:
+        unit_axes = [None] * len(grads)
+    if len(unit_axes) != len(grads):
+        raise ValueError(f"`unit_axes` has {len(unit_axes)} entries for {len(grads)} gradients")
     out_grads, out_states = [], []
-    for g, p, st in zip(grads, params, states):
+    for g, p, st, axes in zip(grads, params, states, unit_axes):
         it, new = iter(st), []
         for rule in rules:
             s = next(it) if rule.state_size else tf.zeros([0], tf.float32)
-            g, s = rule.clip(g, p, s, num_workers)
+            g, s = rule.clip(g, p, s, num_workers, unit_axes=axes)
             if rule.state_size:
                 new.append(s)
         out_grads.append(g)

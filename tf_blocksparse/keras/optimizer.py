@@ -35,7 +35,10 @@ from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse import exchange as exchange_lib
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
+from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.planning.balanced import plan_backward
+from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.unitwise import layout_unit_axes
 
 NONFINITE = ("skip", "apply")
 GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
@@ -91,12 +94,16 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
       model: Optional Keras model whose layers own the variables.  Without it the owning
         layers are found among the live Keras layers at build time; either way every
         variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
+        With it (and ``fusion_buffer_bytes``) the gradients' backward order is derived
+        from a trace of its forward pass at build time
+        (:mod:`tf_blocksparse.keras.forward_order`).
       granularity: ``"block"`` (default) or ``"element"``: element-wise top-k with error
         feedback, the DGC/GRACE baseline (use with ``density``).
       fusion_buffer_bytes: Optional fusion buffer size: variables are exchanged in balanced
         groups (contiguous in backward order, see :mod:`tf_blocksparse.planning.fusion`),
         one set of collectives per group, so the last layers' exchange can start while
-        backward still runs.  Default: one group for all variables.
+        backward still runs.  The backward order is derived from ``model`` when given, else
+        taken as the reverse of the variable order.  Default: one group for all variables.
       clipping: Optional rule or list of rules of :mod:`tf_blocksparse.clipping`, applied
         to each replica's local gradient of each variable before error feedback and the
         exchange (their state is per replica and saved with the optimizer).
@@ -152,6 +159,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self._model = model
         inner._all_reduce_sum_gradients = _no_all_reduce
         self.layouts: list[blocks.BlockLayout] = []
+        self._unit_axes: list[tuple[int, ...] | None] = []
+        self._backward_ranks: list[int] | None = None
         self._residuals: list[keras.Variable] = []
         self._clip_states: list[list[keras.Variable]] = []
 
@@ -161,6 +170,9 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.build(var_list)
         owners = None if self._model is not None else discover_owners(var_list)
         self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules, owners)
+        self._unit_axes = [layout_unit_axes(lay) for lay in self.layouts]  # AGC = blocks
+        self._backward_ranks = (backward_ranks(self._model, var_list)
+                                if self.fusion_buffer_bytes is not None else None)
         self._residuals = []
         if self.exchange != "dense":
             self._residuals = [self._per_replica_variable(v, v.shape, v.dtype, "residual_")
@@ -245,9 +257,9 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             grads, new = clipping_lib.apply_rules(
                 self.clipping, grads, [tf.convert_to_tensor(v) for v in tvs],
                 [[tf.convert_to_tensor(s.value) for s in vs] for vs in clip_vars],
-                ctx.num_replicas_in_sync)
+                ctx.num_replicas_in_sync, [self._unit_axes[i] for i in idx])
             commits += [(s, n) for vs, ns in zip(clip_vars, new) for s, n in zip(vs, ns)]
-        groups = self._fusion_groups(grads)
+        groups = self._fusion_groups(grads, idx)
         if self.exchange == "dense":
             result = exchange_lib.run_grouped_exchange(
                 "dense", ctx, lambda g: None, grads, None, groups, self.metric)
@@ -267,13 +279,31 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self._record(result)
         self._apply_inner(result.updates, tvs, result.finite)
 
-    def _fusion_groups(self, grads: Sequence[tf.Tensor]) -> list[list[int]]:
-        """Positions of ``grads`` per fusion group, in backward order (one group if unset)."""
+    def _fusion_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
+                       ) -> list[list[int]]:
+        """Positions of ``grads`` (of variables ``idx``) per fusion group, in backward order
+        (one group if ``fusion_buffer_bytes`` is unset)."""
         if self.fusion_buffer_bytes is None:
             return [list(range(len(grads)))]
-        plan = plan_backward([codec.buffer_nbytes(g) for g in grads],
-                             [g.dtype.name for g in grads], self.fusion_buffer_bytes)
-        return [list(group.members) for group in plan.groups]
+        return [list(group.members) for group in self._plan(grads, idx).groups]
+
+    def _plan(self, tensors: Sequence[Any], idx: Sequence[int]) -> FusionPlan:
+        """Balanced plan of ``tensors`` (of variables ``idx``) in the derived backward order
+        when a model is known, else the reverse of their order."""
+        order = None
+        if self._backward_ranks is not None:
+            order = sorted(range(len(tensors)), key=lambda p: self._backward_ranks[idx[p]])
+        return plan_backward([codec.buffer_nbytes(t) for t in tensors],
+                             [tf.as_dtype(t.dtype).name for t in tensors],
+                             self.fusion_buffer_bytes, order=order)
+
+    @property
+    def fusion_plan(self) -> FusionPlan | None:
+        """The plan over every built variable (members = variable indices), or ``None``."""
+        if self.fusion_buffer_bytes is None or not self.built:
+            return None
+        specs = [tf.TensorSpec(v.shape, v.dtype) for v in self._trainable_variables]
+        return self._plan(specs, range(len(specs)))
 
     def _when_finite(self, finite: tf.Tensor, fn: Any) -> None:
         if self.nonfinite == "apply":

@@ -1,7 +1,8 @@
 """Pure-Python planners (no TensorFlow import): decide offline, before a strategy exists.
 
 - :mod:`~tf_blocksparse.planning.fusion`: fusion plans (SPEC S1) and the TF / DDP / Horovod
-  bucketing baselines; :mod:`~tf_blocksparse.planning.balanced`: the balanced planner.
+  bucketing baselines; :mod:`~tf_blocksparse.planning.balanced`: the balanced planner;
+  :mod:`~tf_blocksparse.planning.compare`: every method side by side.
 - :mod:`~tf_blocksparse.planning.schedule`: the online per-cycle fusion scheduler and a cycle
   simulator.
 - :mod:`~tf_blocksparse.planning.profile` (per-layer model profiles),
@@ -17,7 +18,8 @@
 Other planners live beside these as sibling modules.
 """
 
-from .balanced import compare_plans, min_imbalance, plan_backward, plan_balanced
+from .balanced import min_imbalance, plan_backward, plan_balanced
+from .compare import compare_plans, plan_summary
 from .fusion import (
     FusionGroup,
     FusionPlan,
@@ -67,7 +69,8 @@ from .topology import Topology, homogeneous, random_heterogeneous, two_level
 __all__ = [
     "FusionGroup", "FusionPlan", "FusionScheduler", "TensorSpec", "compare_plans",
     "execution_order", "min_imbalance", "plan_backward", "plan_balanced", "plan_ddp",
-    "plan_horovod_greedy", "plan_tf_group_by_size", "simulate", "simulate_greedy_cycles",
+    "plan_horovod_greedy", "plan_summary", "plan_tf_group_by_size", "simulate",
+    "simulate_greedy_cycles",
     # pipeline planning (SPEC S3)
     "LayerProfile", "ModelProfile", "PipelinePlan", "Stage", "Topology",
     "compare_pipeline_plans", "evaluate_stages", "homogeneous", "make_plan", "plan_bruteforce",

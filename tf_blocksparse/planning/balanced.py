@@ -35,13 +35,9 @@ from .fusion import (
     _make_plan,
     _resolve_order,
     execution_order,
-    plan_ddp,
-    plan_horovod_greedy,
-    plan_tf_group_by_size,
 )
 
-__all__ = ["MAX_LOWER_BOUNDS", "compare_plans", "min_imbalance", "plan_backward",
-           "plan_balanced"]
+__all__ = ["MAX_LOWER_BOUNDS", "min_imbalance", "plan_backward", "plan_balanced"]
 
 MAX_LOWER_BOUNDS = 4096
 
@@ -297,7 +293,8 @@ def min_imbalance(tensors: Sequence[TensorSpec], buffer_bytes: int,
 
 
 def plan_backward(nbytes: Sequence[int], dtypes: Sequence[str], buffer_bytes: int,
-                  names: Sequence[str] | None = None) -> FusionPlan:
+                  names: Sequence[str] | None = None,
+                  order: Sequence[int] | None = None) -> FusionPlan:
     """The balanced plan of gradients listed in forward (variable) order.
 
     Args:
@@ -305,30 +302,14 @@ def plan_backward(nbytes: Sequence[int], dtypes: Sequence[str], buffer_bytes: in
       dtypes: Their dtype names.
       buffer_bytes: The fusion buffer size.
       names: Optional names (default ``gradient_<i>``).
+      order: Optional execution (backward) order of the gradients, e.g. derived from the
+        model's forward pass (:mod:`tf_blocksparse.keras.forward_order`); ``None`` falls back
+        to the reverse of the list order.
 
     Returns:
-      :func:`plan_balanced` over the backward order (the reverse of the variable order).
+      :func:`plan_balanced` over ``order``.
     """
     names = names or [f"gradient_{i}" for i in range(len(nbytes))]
     specs = [TensorSpec(n, int(b), d) for n, b, d in zip(names, nbytes, dtypes)]
-    return plan_balanced(specs, buffer_bytes, execution_order(len(specs)))
-
-
-def compare_plans(tensors: Sequence[TensorSpec], buffer_bytes: int) -> list[dict]:
-    """Plans ``tensors`` with every method at one buffer size and summarises each.
-
-    DDP gets ``buffer_bytes`` as its bucket cap (first bucket ``min(1 MiB, buffer_bytes)``).
-
-    Returns:
-        One dict per method: ``method``, ``groups``, ``largest_bytes``, ``smallest_bytes``,
-        ``imbalance`` and ``imbalance_excluding_oversized``.
-    """
-    plans = [
-        plan_balanced(tensors, buffer_bytes),
-        plan_tf_group_by_size(tensors, buffer_bytes),
-        plan_ddp(tensors, buffer_bytes, min(2**20, buffer_bytes)),
-        plan_horovod_greedy(tensors, buffer_bytes),
-    ]
-    return [{"method": p.method, "groups": len(p.groups), "largest_bytes": p.largest,
-             "smallest_bytes": p.smallest, "imbalance": p.imbalance,
-             "imbalance_excluding_oversized": p.imbalance_excluding_oversized} for p in plans]
+    return plan_balanced(specs, buffer_bytes, execution_order(len(specs)) if order is None
+                         else order)

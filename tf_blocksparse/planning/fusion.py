@@ -89,10 +89,19 @@ class FusionPlan:
 
         1.0 when no such group is left (or all are empty); ``inf`` if one holds 0 bytes.
         """
-        kept = [g.nbytes for g in self.groups if not self.is_oversized(g)]
-        if not kept or max(kept) == 0:
-            return 1.0
-        return max(kept) / min(kept) if min(kept) else float("inf")
+        return _ratio([g.nbytes for g in self.groups if not self.is_oversized(g)])
+
+    @property
+    def imbalance_excluding_single_oversized(self) -> float:
+        """The strict ``largest / smallest``: only groups that are one single tensor larger
+        than the buffer (``> buffer_bytes``) are left out.
+
+        Unlike :attr:`imbalance_excluding_oversized`, a group holding an oversized tensor *and*
+        the small tensors riding along with it counts, as do tensors exactly the buffer's size.
+        1.0 when no group is left; ``inf`` if one holds 0 bytes.
+        """
+        return _ratio([g.nbytes for g in self.groups
+                       if not (len(g.members) == 1 and g.nbytes > self.buffer_bytes)])
 
     def validate(self, check_size_bound: bool = True) -> None:
         """Checks the plan's invariants, raising ``ValueError`` on the first one broken.
@@ -149,16 +158,25 @@ class FusionPlan:
         )
 
 
+def _ratio(sizes: Sequence[int]) -> float:
+    """``max / min`` of group sizes: 1.0 when empty or all 0, ``inf`` when one is 0."""
+    if not sizes or max(sizes) == 0:
+        return 1.0
+    return max(sizes) / min(sizes) if min(sizes) else float("inf")
+
+
 def execution_order(num_tensors: int,
                     forward_use_order: Sequence[int] | None = None) -> tuple[int, ...]:
     """Order in which gradients become ready: the reverse of the forward use order.
 
-    Backpropagation visits the variables in the reverse of the order the forward pass used
-    them.  For a Keras Sequential or functional *chain*, ``model.trainable_variables`` is
-    already in forward creation/use order, so the default (``range(num_tensors)``) applies to
-    gradients listed like it; pass ``forward_use_order`` (variable indices in the order the
-    forward pass first uses them) when it differs (shared layers, branches, subclassed models
-    that create variables out of call order).
+    Backpropagation visits the variables in the reverse of the order the forward pass first
+    used them.  ``forward_use_order`` is that order as variable indices; the TF adapter
+    :func:`tf_blocksparse.keras.forward_order.forward_use_order` derives it from a trace of the
+    model's forward pass (first read of each variable's handle).  Without it (``None``: no
+    model known) this falls back to the reverse of the list order, which is right when the
+    variables are listed in use order (Sequential models, functional chains) and only an
+    approximation otherwise (subclassed models that create layers out of call order, shared
+    layers, branches).
 
     Args:
         num_tensors: Number of gradients.
@@ -214,19 +232,21 @@ def plan_tf_group_by_size(tensors: Sequence[TensorSpec], bytes_per_pack: int,
 
 
 def plan_ddp(tensors: Sequence[TensorSpec], bucket_bytes: int = 25 * 2**20,
-             first_bucket_bytes: int = 2**20) -> FusionPlan:
+             first_bucket_bytes: int = 2**20, order: Sequence[int] | None = None
+             ) -> FusionPlan:
     """PyTorch DDP's buckets (after its first-iteration rebuild).
 
-    Parameters in reverse order; one open bucket per dtype; a tensor is added and the bucket
-    is closed once it reaches its cap (``first_bucket_bytes`` for a dtype's first bucket, then
-    ``bucket_bytes``), so a bucket may overshoot its cap by its last tensor.  Buckets are listed
-    in the order they close, open leftovers last; ``order`` is their concatenation.
+    Parameters in ready ``order`` (default: reverse of the list); one open bucket per dtype;
+    a tensor is added and the bucket is closed once it reaches its cap (``first_bucket_bytes``
+    for a dtype's first bucket, then ``bucket_bytes``), so a bucket may overshoot its cap by
+    its last tensor.  Buckets are listed in the order they close, open leftovers last; the
+    plan's ``order`` is their concatenation.
     """
     open_: dict[str, list[int]] = {}
     size: dict[str, int] = {}
     caps: dict[str, int] = {}
     runs: list[list[int]] = []
-    for i in execution_order(len(tensors)):
+    for i in _resolve_order(tensors, order):
         dt = tensors[i].dtype
         open_.setdefault(dt, []).append(i)
         size[dt] = size.get(dt, 0) + tensors[i].nbytes
