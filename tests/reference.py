@@ -122,7 +122,8 @@ def np_compress(grad: np.ndarray, residual: np.ndarray, layout: Any, k: int | No
 def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
             residuals_per_replica: Sequence[Sequence[np.ndarray]] | None,
             layouts: Sequence[Any], k: int | None = None, density: float | None = None,
-            metric: str = "l1") -> tuple[list[np.ndarray], list[list[np.ndarray]], bool]:
+            metric: str = "l1", sent: list | None = None
+            ) -> tuple[list[np.ndarray], list[list[np.ndarray]], bool]:
     """One exchange step over all replicas.
 
     Args:
@@ -131,6 +132,8 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
       residuals_per_replica: ``[replica][variable]`` residuals (may be ``None`` for dense).
       layouts: One layout per variable.
       k, density, metric: Selection parameters (see :func:`np_compress`).
+      sent: If a list, it receives ``[replica][variable]`` the block ids each replica
+        moved out of its residual.
 
     Returns:
       ``(updates, new_residuals, finite)``: per variable the summed update (the same on
@@ -156,6 +159,7 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
     finite = all(bool(np.all(np.isfinite(s))) for rs in scores for s in rs)
     updates = [np.zeros(_shape(lay), accs[0][v].dtype) for v, lay in enumerate(layouts)]
     residuals: list[list[np.ndarray]] = [[None] * nvars for _ in range(n)]
+    sent_ids: list[list[np.ndarray]] = [[None] * nvars for _ in range(n)]
     for v, lay in enumerate(layouts):
         count = np_num_selected(_view_shape(lay)[1], k, density)
         if mode == "shared":
@@ -166,7 +170,38 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
             ids = np_topk(scores[r][v], count) if mode == "allgather" else common
             updates[v] = updates[v] + np_scatter(np_gather(accs[r][v], lay, ids), ids, lay)
             residuals[r][v] = np_zero_blocks(accs[r][v], lay, ids)
+            sent_ids[r][v] = ids
+    if sent is not None:
+        sent.extend(sent_ids)
     return updates, residuals, finite
+
+
+def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
+                               residuals_per_replica: Sequence[Sequence[np.ndarray]],
+                               velocities_per_replica: Sequence[Sequence[np.ndarray]],
+                               layouts: Sequence[Any], momentum: float, k: int | None = None,
+                               density: float | None = None, metric: str = "l1"
+                               ) -> tuple[list[np.ndarray], list[list[np.ndarray]],
+                                          list[list[np.ndarray]], bool]:
+    """DGC momentum correction + factor masking around :func:`np_step`.
+
+    Per replica ``u = momentum * u + g``; ``u`` goes through error feedback, selection and
+    exchange in place of ``g``; the blocks a replica sent are zeroed in its ``u`` too.
+
+    Returns:
+      ``(updates, new_residuals, new_velocities, finite)``.
+    """
+    dt = np.asarray(grads_per_replica[0][0]).dtype.type
+    us = [[np.asarray(u) * dt(momentum) + np.asarray(g) for u, g in zip(us_r, gs_r)]
+          for us_r, gs_r in zip(velocities_per_replica, grads_per_replica)]
+    sent: list = []
+    updates, residuals, finite = np_step(mode, us, residuals_per_replica, layouts, k, density,
+                                         metric, sent=sent)
+    if mode == "dense":
+        return updates, residuals, us, finite
+    velocities = [[np_zero_blocks(u, lay, ids) for u, lay, ids in zip(us_r, layouts, ids_r)]
+                  for us_r, ids_r in zip(us, sent)]
+    return updates, residuals, velocities, finite
 
 
 def np_sgd_momentum(w: np.ndarray, m: np.ndarray, g: np.ndarray, lr: float, momentum: float

@@ -48,6 +48,8 @@ class ExchangeResult:
       blocks_kept: Blocks this replica selected, summed over variables.
       residual_norm: Scalar, the metric's norm (L1 or L2) of this replica's new residual,
         derived from the block scores without another pass over the tensors.
+      sent_ids: Per variable, the block ids [k_v] int32 this replica moved out of its
+        residual (``None`` for dense); what momentum correction masks with.
     """
 
     updates: tuple[tf.Tensor, ...]
@@ -57,6 +59,7 @@ class ExchangeResult:
     dense_bytes: int
     blocks_kept: int
     residual_norm: tf.Tensor
+    sent_ids: tuple[tf.Tensor, ...] | None = None
 
 
 def dense_nbytes(tensors: Sequence[tf.Tensor]) -> int:
@@ -106,7 +109,7 @@ def exchange_allgather(ctx: tf.distribute.ReplicaContext, comp: BlockTopK,
         tuple(updates), residuals, finite,
         codec.buffer_nbytes(id_buf) + codec.buffer_nbytes(val_buf),
         dense_nbytes(prepared.accs), sum(comp.counts),
-        _residual_norm(prepared.scores, ids, comp.metric))
+        _residual_norm(prepared.scores, ids, comp.metric), tuple(ids))
 
 
 def exchange_shared(ctx: tf.distribute.ReplicaContext, comp: BlockTopK,
@@ -128,7 +131,7 @@ def exchange_shared(ctx: tf.distribute.ReplicaContext, comp: BlockTopK,
         updates, residuals, finite,
         codec.buffer_nbytes(score_buf) + codec.buffer_nbytes(val_buf),
         dense_nbytes(prepared.accs), sum(comp.counts),
-        _residual_norm(prepared.scores, ids, comp.metric))
+        _residual_norm(prepared.scores, ids, comp.metric), tuple(ids))
 
 
 def exchange_dense(ctx: tf.distribute.ReplicaContext, grads: Sequence[tf.Tensor]
@@ -184,6 +187,7 @@ def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
     n = len(grads)
     updates: list[tf.Tensor | None] = [None] * n
     residuals: list[tf.Tensor | None] = [None] * n
+    sent: list[tf.Tensor | None] = [None] * n
     parts = []
     for group in groups:
         sub_state = None if state is None else [state[i] for i in group]
@@ -193,6 +197,8 @@ def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
             updates[i] = r.updates[j]
             if r.residuals is not None:
                 residuals[i] = r.residuals[j]
+            if r.sent_ids is not None:
+                sent[i] = r.sent_ids[j]
     if len(parts) == 1:
         return parts[0]
     if any(u is None for u in updates):
@@ -203,4 +209,5 @@ def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
         tuple(updates), None if state is None else tuple(residuals),
         tf.reduce_all(tf.stack([p.finite for p in parts])),
         sum(p.payload_bytes for p in parts), sum(p.dense_bytes for p in parts),
-        sum(p.blocks_kept for p in parts), norm)
+        sum(p.blocks_kept for p in parts), norm,
+        None if state is None else tuple(sent))

@@ -24,6 +24,7 @@ a ``LossScaleOptimizer`` *inside* is rejected because residuals would mix loss s
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -77,6 +78,22 @@ def _densify(g: Any, v: Any) -> tf.Tensor:
     return tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
 
 
+def _check_momentum_correction(value: Any, inner: keras.optimizers.Optimizer
+                               ) -> float | None:
+    """Validates ``momentum_correction``; returns it as a float (``None``: off)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"`momentum_correction` must be a float in [0, 1), got {value!r}")
+    inner_momentum = float(getattr(inner, "momentum", 0.0) or 0.0)
+    if value and inner_momentum:
+        raise ValueError(f"`momentum_correction` keeps the momentum per replica before the "
+                         f"exchange, so the inner optimizer must have none; got inner "
+                         f"momentum={inner_momentum}")
+    return float(value)
+
+
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
 class BlockSparseOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer with block-wise top-k gradient exchange and error feedback.
@@ -107,6 +124,14 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
       clipping: Optional rule or list of rules of :mod:`tf_blocksparse.clipping`, applied
         to each replica's local gradient of each variable before error feedback and the
         exchange (their state is per replica and saved with the optimizer).
+      momentum_correction: Optional momentum in [0, 1) kept *per replica before* the
+        exchange, with DGC's momentum correction and factor masking (Lin et al., ICLR
+        2018): ``u = m u + grad`` goes through error feedback and selection in place of
+        ``grad``, and the blocks a replica sent are zeroed in its ``u`` too.  The inner
+        optimizer must then have no momentum of its own (plain ``SGD``).  Without it the
+        inner ``SGD(momentum=m)`` applies the source text's global momentum after the
+        exchange, which with aggressive sparsification can release residuals late into a
+        running velocity and oscillate; with ``exchange="dense"`` the two are the same math.
       name: Optimizer name.
     """
 
@@ -115,7 +140,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  exchange: str = "allgather", nonfinite: str = "skip",
                  block_rules: Mapping[str, str] | None = None, model: Any = None,
                  granularity: str = "block", fusion_buffer_bytes: int | None = None,
-                 clipping: Any = None, name: str | None = None, **kwargs: Any):
+                 clipping: Any = None, momentum_correction: float | None = None,
+                 name: str | None = None, **kwargs: Any):
         if not isinstance(inner, keras.optimizers.Optimizer):
             raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
         if isinstance(inner, keras.optimizers.LossScaleOptimizer):
@@ -142,6 +168,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         for rule in (block_rules or {}).values():
             blocks._as_rule(rule, "block_rules")
         rules = clipping_lib.as_rules(clipping)
+        momentum_correction = _check_momentum_correction(momentum_correction, inner)
         kwargs.pop("learning_rate", None)
         if kwargs:
             raise ValueError(f"BlockSparseOptimizer does not take {sorted(kwargs)}; set them "
@@ -155,6 +182,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self.granularity = granularity
         self.fusion_buffer_bytes = fusion_buffer_bytes
         self.clipping = rules
+        self.momentum_correction = momentum_correction
         self.block_rules = dict(block_rules or {})
         self._model = model
         inner._all_reduce_sum_gradients = _no_all_reduce
@@ -163,6 +191,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self._backward_ranks: list[int] | None = None
         self._residuals: list[keras.Variable] = []
         self._clip_states: list[list[keras.Variable]] = []
+        self._velocities: list[keras.Variable] = []
 
     # -- state ---------------------------------------------------------------------------
     @keras.src.utils.tracking.no_automatic_dependency_tracking
@@ -177,6 +206,10 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         if self.exchange != "dense":
             self._residuals = [self._per_replica_variable(v, v.shape, v.dtype, "residual_")
                                for v in var_list]
+        self._velocities = []
+        if self.momentum_correction:
+            self._velocities = [self._per_replica_variable(v, v.shape, v.dtype, "velocity_")
+                                for v in var_list]
         self._clip_states = [[self._per_replica_variable(v, (rule.state_size,), "float32",
                                                          f"clip{j}_{type(rule).__name__}_")
                               for j, rule in enumerate(self.clipping) if rule.state_size]
@@ -203,6 +236,11 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
     def clip_states(self) -> list[list[keras.Variable]]:
         """Per variable, the state of each stateful clipping rule (per replica)."""
         return [list(s) for s in self._clip_states]
+
+    @property
+    def velocities(self) -> list[keras.Variable]:
+        """Per-variable local momentum of ``momentum_correction`` (per replica; else [])."""
+        return list(self._velocities)
 
     @property
     def residuals(self) -> list[keras.Variable]:
@@ -259,6 +297,11 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                 [[tf.convert_to_tensor(s.value) for s in vs] for vs in clip_vars],
                 ctx.num_replicas_in_sync, [self._unit_axes[i] for i in idx])
             commits += [(s, n) for vs, ns in zip(clip_vars, new) for s, n in zip(vs, ns)]
+        velocities = [self._velocities[i] for i in idx] if self._velocities else []
+        if velocities:  # DGC momentum correction: u = m u + g is what gets exchanged
+            m = self.momentum_correction
+            grads = [tf.cast(m, g.dtype) * tf.convert_to_tensor(u.value) + g
+                     for u, g in zip(velocities, grads)]
         groups = self._fusion_groups(grads, idx)
         if self.exchange == "dense":
             result = exchange_lib.run_grouped_exchange(
@@ -273,11 +316,26 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             result = exchange_lib.run_grouped_exchange(
                 self.exchange, ctx, make_comp, grads, state, groups, self.metric)
             commits += list(zip(residuals, result.residuals))
+        if velocities:  # factor masking: what a replica sent leaves its velocity too
+            commits += list(zip(velocities, self._mask_sent(grads, idx, result.sent_ids)))
         if commits:
             self._when_finite(result.finite,
                               lambda: tf.group([v.value.assign(s) for v, s in commits]))
         self._record(result)
         self._apply_inner(result.updates, tvs, result.finite)
+
+    def _mask_sent(self, us: Sequence[tf.Tensor], idx: Sequence[int],
+                   sent_ids: Sequence[tf.Tensor] | None) -> list[tf.Tensor]:
+        """``us`` [*shape] with the blocks each replica sent (``sent_ids`` [k_v]) zeroed."""
+        if sent_ids is None:  # dense: everything was sent, the velocity carries on whole
+            return list(us)
+        out = []
+        for u, i, ids in zip(us, idx, sent_ids):
+            lay = self.layouts[i]
+            if self.granularity == "element":
+                lay = dataclasses.replace(lay, rule=blocks.ELEMENT)
+            out.append(selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay)))
+        return out
 
     def _fusion_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
                        ) -> list[list[int]]:
@@ -364,6 +422,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             "block_rules": dict(self.block_rules), "granularity": self.granularity,
             "fusion_buffer_bytes": self.fusion_buffer_bytes,
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
+            "momentum_correction": self.momentum_correction,
         }
 
     @classmethod

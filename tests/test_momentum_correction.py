@@ -1,0 +1,109 @@
+"""DGC momentum correction in the wrapper, against a NumPy reference on 2 real replicas."""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_blocksparse as tfbs
+from tests import reference as ref
+from tests.test_optimizer_reference import _data, _loss, _model, _replica_grads
+
+LR, MOMENTUM, STEPS = 0.05, 0.9, 4
+
+
+def _train(strategy, inner_momentum=0.0, **opt_kwargs):
+    with strategy.scope():
+        model = _model()
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=inner_momentum),
+                                        **opt_kwargs)
+        opt.build(model.trainable_variables)
+    n = strategy.num_replicas_in_sync
+
+    @tf.function
+    def train(x, y):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = _loss(model, xb, yb, n)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(step, args=(x, y))
+
+    for s in range(STEPS):
+        x = strategy.experimental_distribute_values_from_function(
+            lambda ctx, s=s: tf.constant(_data(s, ctx.replica_id_in_sync_group)[0]))
+        y = strategy.experimental_distribute_values_from_function(
+            lambda ctx, s=s: tf.constant(_data(s, ctx.replica_id_in_sync_group)[1]))
+        train(x, y)
+    return model, opt
+
+
+def _reference(n, mode, k=None, density=None, granularity="block"):
+    model = _model()
+    layouts = tfbs.blocks.layouts_for(model.trainable_variables, model)
+    if granularity == "element":
+        layouts = [dataclasses.replace(lay, rule=tfbs.blocks.ELEMENT) for lay in layouts]
+    weights = [w.numpy() for w in model.trainable_variables]
+    residuals = [[np.zeros_like(w) for w in weights] for _ in range(n)]
+    velocities = [[np.zeros_like(w) for w in weights] for _ in range(n)]
+    for s in range(STEPS):
+        grads = [_replica_grads(weights, *_data(s, r), n) for r in range(n)]
+        updates, residuals, velocities, finite = ref.np_momentum_corrected_step(
+            mode, grads, residuals, velocities, layouts, MOMENTUM, k, density)
+        assert finite
+        weights = [w - u * np.float32(LR) for w, u in zip(weights, updates)]
+    return weights, residuals, velocities
+
+
+@pytest.mark.parametrize("mode,kwargs", [
+    ("allgather", {"k": 1}), ("shared", {"density": 0.5}),
+    ("allgather", {"density": 0.2, "granularity": "element"})])
+def test_matches_numpy_reference(mirrored2, mode, kwargs):
+    model, opt = _train(mirrored2, exchange=mode,
+                        momentum_correction=MOMENTUM, **kwargs)
+    want_w, want_r, want_u = _reference(2, mode, **kwargs)
+    for got, want in zip(model.trainable_variables, want_w):
+        for replica_value in got.value.values:
+            np.testing.assert_allclose(replica_value.numpy(), want, rtol=2e-5, atol=2e-6)
+    for states, want in ((opt.residuals, want_r), (opt.velocities, want_u)):
+        for i, var in enumerate(states):
+            for replica in range(2):
+                np.testing.assert_allclose(var.value.values[replica].numpy(),
+                                           want[replica][i], rtol=2e-5, atol=2e-6)
+    # the velocities differ between replicas (local momentum), and sent blocks are masked
+    assert not np.array_equal(opt.velocities[0].value.values[0].numpy(),
+                              opt.velocities[0].value.values[1].numpy())
+
+
+def test_dense_exchange_equals_global_momentum(mirrored2):
+    """Local momentum summed over replicas is global momentum: same weights as SGD(m)."""
+    corrected, _ = _train(mirrored2, exchange="dense", momentum_correction=MOMENTUM)
+    plain, _ = _train(mirrored2, inner_momentum=MOMENTUM, exchange="dense")
+    for a, b in zip(corrected.trainable_variables, plain.trainable_variables):
+        np.testing.assert_allclose(a.value.values[0].numpy(), b.value.values[0].numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="momentum_correction"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                  momentum_correction=0.9)
+    for bad in (-0.1, 1.0, float("nan"), "0.9"):
+        with pytest.raises(ValueError, match="momentum_correction"):
+            tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), momentum_correction=bad)
+
+
+def test_config_round_trip_and_state_in_variables():
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, momentum_correction=0.8)
+    clone = tfbs.BlockSparseOptimizer.from_config(opt.get_config())
+    assert clone.momentum_correction == 0.8
+    model = _model()
+    clone.build(model.trainable_variables)
+    assert len(clone.velocities) == len(model.trainable_variables)
+    assert all(any(v is u for u in clone.variables) for v in clone.velocities)
+    # without momentum correction there is no velocity state
+    plain = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1)
+    plain.build(_model().trainable_variables)
+    assert plain.velocities == []
