@@ -44,6 +44,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("train_samples", 0, "Training subset (0: all 60,000).")
     flags.DEFINE_integer("test_samples", 0, "Test subset (0: all 10,000).")
     flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
+    flags.DEFINE_boolean("momentum_correction", True, "Sparse methods keep the momentum per "
+                         "worker before the exchange (DGC); dense uses global momentum.")
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
 
@@ -99,7 +101,7 @@ def main(argv: list[str]) -> None:
     f = FLAGS
     common = [f"--dataset={f.dataset}", f"--epochs={f.epochs}", f"--batch_size={f.batch_size}",
               f"--train_samples={f.train_samples}", f"--test_samples={f.test_samples}",
-              f"--lr={f.lr}"]
+              f"--lr={f.lr}", f"--momentum_correction={f.momentum_correction}"]
     plans = [(f.model, [int(s) for s in f.seeds], f.steps_per_epoch)]
     if f.extra_model:
         plans.append((f.extra_model, [0], f.extra_steps_per_epoch or f.steps_per_epoch))
@@ -127,7 +129,8 @@ def main(argv: list[str]) -> None:
     doc = {"budget": {"num_workers": f.num_workers, "epochs": f.epochs,
                       "steps_per_epoch": f.steps_per_epoch or "full pass",
                       "global_batch": f.batch_size, "train_samples": f.train_samples or "all",
-                      "test_samples": f.test_samples or "all", "lr": f.lr},
+                      "test_samples": f.test_samples or "all", "lr": f.lr,
+                      "momentum": 0.9, "momentum_correction": f.momentum_correction},
            "records": rows, "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
     os.makedirs(f.out, exist_ok=True)
     with open(os.path.join(f.out, "convergence.json"), "w") as fh:

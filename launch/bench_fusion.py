@@ -56,6 +56,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps  # noqa: E402
 from tf_blocksparse.keras.forward_order import derive_execution_order  # noqa: E402
 from tf_blocksparse.planning import (  # noqa: E402
     FusionPlan,
@@ -444,7 +445,8 @@ def random_replica_batch(strategy: tf.distribute.Strategy, batch: int, image_siz
 def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_size: int,
                       batch: int, warmup: int, repeats: int, pack_mib: float,
                       classes: int = 10) -> dict:
-    """``step_time``: the four reductions timed interleaved (A B C D A B C D ...)."""
+    """``step_time``: the reductions timed interleaved (A B C D E A B C D E ...); E is
+    ``FusedCrossDeviceOps(plan=...)`` itself, under its own ``MirroredStrategy``."""
     with strategy.scope():
         model = build_model(model_name, image_size, classes)
     specs = tensor_specs(model.trainable_variables)
@@ -457,18 +459,28 @@ def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_s
     }
 
     x, y = random_replica_batch(strategy, batch, image_size, classes)
-    steps = {m: make_train_step(strategy, model, m, plan, pack_bytes, batch)
+    steps = {m: (make_train_step(strategy, model, m, plan, pack_bytes, batch), x, y)
              for m in STEP_METHODS}
+    # The shipped adapter: a MirroredStrategy whose cross-device ops follow the plan (its
+    # reductions are one-device sums, like TF's CPU default, so no collective keys clash).
+    fused = tf.distribute.MirroredStrategy(
+        strategy.extended.worker_devices, cross_device_ops=FusedCrossDeviceOps(plan=plan))
+    with fused.scope():
+        fused_model = build_model(model_name, image_size, classes)
+    steps["fused_cross_device_ops"] = (
+        make_train_step(fused, fused_model, "tf_default", plan, pack_bytes, batch),
+        *random_replica_batch(fused, batch, image_size, classes))
+    collectives["fused_cross_device_ops"] = len(plan.groups)
     trace_s = {}
-    for m, fn in steps.items():
+    for m, (fn, xs, ys) in steps.items():
         t0 = time.perf_counter()
-        fn(x, y).numpy()
+        fn(xs, ys).numpy()
         trace_s[m] = time.perf_counter() - t0
-    times: dict[str, list[float]] = {m: [] for m in STEP_METHODS}
+    times: dict[str, list[float]] = {m: [] for m in steps}
     for r in range(warmup + repeats):
-        for m, fn in steps.items():
+        for m, (fn, xs, ys) in steps.items():
             t0 = time.perf_counter()
-            fn(x, y).numpy()
+            fn(xs, ys).numpy()
             if r >= warmup:
                 times[m].append(1000 * (time.perf_counter() - t0))
     median = {m: statistics.median(t) for m, t in times.items()}
@@ -483,7 +495,7 @@ def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_s
             "median_ms": round(median[m], 3), "times_ms": [round(t, 3) for t in times[m]],
             "ratio_vs_tf_default": round(median[m] / median["tf_default"], 4),
             "collectives_per_step": collectives[m], "first_call_s": round(trace_s[m], 3),
-        } for m in STEP_METHODS},
+        } for m in steps},
     }
 
 

@@ -58,10 +58,52 @@ def define_flags() -> None:
     flags.DEFINE_integer("train_samples", 0, "Training subset (0: all 60,000).")
     flags.DEFINE_integer("test_samples", 2000, "Test subset evaluated after every epoch.")
     flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
+    flags.DEFINE_list("model_lr", ["vgg_fc=0.01"], "Per-model learning rates MODEL=LR "
+                      "overriding --lr (vgg_fc has no normalisation; 0.05 oscillates).")
+    flags.DEFINE_list("model_steps_per_epoch", [], "Per-model MODEL=STEPS overriding "
+                      "--steps_per_epoch (e.g. resnet20=50: its BatchNorm statistics need "
+                      "more steps before test accuracy means anything).")
+    flags.DEFINE_boolean("momentum_correction", True, "Sparse methods keep the momentum per "
+                         "worker before the exchange (DGC); dense uses global momentum (the "
+                         "same math for dense).")
+    flags.DEFINE_boolean("early_stop", True, "Sparse runs stop once they reach the target "
+                         "after at least the dense run's epochs (their final accuracy is then "
+                         "taken at >= as many steps as dense's).")
+    flags.DEFINE_boolean("resume", False, "Keep the groups (model x bandwidth) already in "
+                         "OUT/time_to_accuracy.json with the same budget; run the rest.")
     flags.DEFINE_float("target_drop", 0.003, "Target = dense final accuracy minus this.")
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
     flags.DEFINE_float("run_timeout_s", 1800, "Kill a run after this long.")
+
+
+def steady_step_s(record: dict) -> float | None:
+    """Median training seconds per step over epochs 2.. (epoch 1 also traces the graphs)."""
+    times = [0.0, *record["train_s_per_epoch"]]
+    per_epoch = [b - a for a, b in zip(times[1:-1], times[2:])]
+    if not per_epoch:
+        return None
+    per_epoch.sort()
+    mid = len(per_epoch) // 2
+    median = (per_epoch[mid] if len(per_epoch) % 2
+              else 0.5 * (per_epoch[mid - 1] + per_epoch[mid]))
+    return round(median / record["steps_per_epoch"], 4)
+
+
+def model_overrides(flag: str, entries: list[str], cast: type) -> dict[str, float]:
+    """Parses ``--flag`` entries ``MODEL=VALUE`` (VALUE > 0, of type ``cast``)."""
+    out = {}
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        try:
+            parsed = cast(value)
+        except ValueError:
+            parsed = -1
+        if not sep or not name or not parsed > 0:
+            raise app.UsageError(f"--{flag} entries must be MODEL=VALUE with VALUE > 0, got "
+                                 f"{entry!r}")
+        out[name] = parsed
+    return out
 
 
 def summarise(records: list[dict], target_drop: float) -> list[dict]:
@@ -83,6 +125,9 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
             "wall_s": r["launcher_wall_s"], "train_s": r["train_s_per_epoch"][-1],
             "speedup_vs_dense": (round(dense_t / t, 3) if t and dense_t else None),
             "within_target_of_dense": r["test_accuracy"] >= target,
+            "epochs_trained": len(r["train_s_per_epoch"]),
+            "steps_per_epoch": r["steps_per_epoch"],
+            "s_per_step": steady_step_s(r),
             "accuracy_per_epoch": [round(a, 4) for a in r["history"].get("val_accuracy", [])],
             "train_s_per_epoch": r["train_s_per_epoch"],
         })
@@ -96,43 +141,78 @@ def main(argv: list[str]) -> None:
         sys.exit("bench_time_to_accuracy: shaping links needs root (network namespaces + tc); "
                  "run it as root (CI is root).")
     f = FLAGS
+    lrs = model_overrides("model_lr", f.model_lr, float)
+    steps = model_overrides("model_steps_per_epoch", f.model_steps_per_epoch, int)
     methods = ["dense"] + [m for m in f.methods if m != "dense"]
-    common = [f"--dataset={f.dataset}",
-              f"--steps_per_epoch={f.steps_per_epoch}", f"--batch_size={f.batch_size}",
-              f"--train_samples={f.train_samples}", f"--test_samples={f.test_samples}",
-              f"--lr={f.lr}", "--seed=0"]
-    results, groups = [], {}
+    common = {"num_workers": f.num_workers, "epochs_dense": f.epochs,
+              "epochs_sparse_max": f.epochs * f.sparse_epoch_factor,
+              "early_stop": f.early_stop, "global_batch": f.batch_size,
+              "train_samples": f.train_samples or "all", "test_samples": f.test_samples,
+              "density": f.density, "latency_ms": f.latency_ms, "target_drop": f.target_drop,
+              "momentum": 0.9, "momentum_correction": f.momentum_correction,
+              "dataset": f.dataset}
+
+    def group_budget(model: str) -> dict:
+        return {**common, "lr": lrs.get(model, f.lr),
+                "steps_per_epoch": steps.get(model, f.steps_per_epoch)}
+
+    path = os.path.join(f.out, "time_to_accuracy.json")
+    doc = {"budget": {**common, "per_model": {m: {k: group_budget(m)[k] for k in
+                                                  ("lr", "steps_per_epoch")}
+                                              for m in f.models}},
+           "records": [], "runs": {}, "group_budgets": {},
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
+    if f.resume and os.path.exists(path):
+        with open(path) as fh:
+            old = json.load(fh)
+        for key, budget in old.get("group_budgets", {}).items():
+            model = key.split(" @ ")[0]
+            if model in f.models and budget == group_budget(model):
+                doc["runs"][key], doc["group_budgets"][key] = old["runs"][key], budget
+                doc["records"] += [r for r in old["records"]
+                                   if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" == key]
+    os.makedirs(f.out, exist_ok=True)
     for model in f.models:
+        budget = group_budget(model)
         for bw in [float(b) for b in f.bandwidths_mbit]:
-            runs = []
+            key = f"{model} @ {bw:g} Mbit/s"
+            if key in doc["runs"]:
+                print(f"{key}: kept from {path} (same budget)", flush=True)
+                continue
+            runs, target = [], None
             for method in methods:
-                epochs = f.epochs * (1 if method == "dense" else f.sparse_epoch_factor)
+                flags_ = [f"--model={model}", f"--dataset={f.dataset}",
+                          f"--steps_per_epoch={budget['steps_per_epoch']}",
+                          f"--batch_size={f.batch_size}", f"--train_samples={f.train_samples}",
+                          f"--test_samples={f.test_samples}", f"--lr={budget['lr']}",
+                          f"--momentum_correction={f.momentum_correction}", "--seed=0"]
+                if method == "dense":
+                    flags_.append(f"--epochs={f.epochs}")
+                else:
+                    flags_.append(f"--epochs={f.epochs * f.sparse_epoch_factor}")
+                    if f.early_stop:
+                        flags_ += [f"--stop_at_accuracy={target}", f"--min_epochs={f.epochs}"]
                 rec = experiments.run_training(
-                    method, [f"--model={model}", f"--epochs={epochs}", *common],
-                    f.num_workers, f.density,
+                    method, flags_, f.num_workers, f.density,
                     bandwidth_mbit=bw, latency_ms=f.latency_ms, timeout_s=f.run_timeout_s)
                 rec.update(model=model, bandwidth_mbit=bw)
+                if method == "dense":
+                    target = max(rec["test_accuracy"] - f.target_drop, 1e-6)
                 runs.append(rec)
                 print(json.dumps({"model": model, "bandwidth_mbit": bw, "method": method,
                                   "final_accuracy": round(rec["test_accuracy"], 4),
                                   "train_s": rec["train_s_per_epoch"][-1],
+                                  "s_per_step": steady_step_s(rec),
                                   "bytes_per_step": rec["payload_bytes_per_step"]}), flush=True)
-            results += summarise(runs, f.target_drop)
-            groups[f"{model} @ {bw:g} Mbit/s"] = runs
-    budget = {"num_workers": f.num_workers, "epochs_dense": f.epochs,
-              "epochs_sparse": f.epochs * f.sparse_epoch_factor,
-              "steps_per_epoch": f.steps_per_epoch, "global_batch": f.batch_size,
-              "train_samples": f.train_samples or "all", "test_samples": f.test_samples,
-              "density": f.density, "latency_ms": f.latency_ms, "lr": f.lr,
-              "dataset": groups and next(iter(groups.values()))[0]["dataset"]}
-    doc = {"budget": budget, "records": results,
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
-    os.makedirs(f.out, exist_ok=True)
-    with open(os.path.join(f.out, "time_to_accuracy.json"), "w") as fh:
-        json.dump(doc, fh, indent=1)
+            doc["records"] += summarise(runs, f.target_drop)
+            doc["runs"][key] = [experiments.slim(r) for r in runs]
+            doc["group_budgets"][key] = budget
+            with open(path, "w") as fh:  # after every group: an interrupted bench keeps them
+                json.dump(doc, fh, indent=1)
+    groups = {k: v for k, v in doc["runs"].items()}
     experiments.plot_curves(groups, os.path.join(f.out, "time_to_accuracy.png"),
                             f"{f.num_workers} workers, shaped links, density {f.density}")
-    print(json.dumps(doc))
+    print(json.dumps({k: v for k, v in doc.items() if k != "runs"}))
 
 
 if __name__ == "__main__":

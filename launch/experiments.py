@@ -85,6 +85,16 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
     return record
 
 
+def slim(record: dict) -> dict:
+    """The part of a run record kept in the results files (curves, bytes, method, flags)."""
+    keep = ("method", "model", "bandwidth_mbit", "dataset", "test_accuracy", "steps",
+            "steps_per_epoch", "epochs_trained", "payload_bytes_per_step",
+            "dense_bytes_per_step", "train_s_per_epoch", "launcher_wall_s", "num_workers")
+    out = {k: record[k] for k in keep if k in record}
+    out["history"] = {"val_accuracy": list(record["history"].get("val_accuracy", []))}
+    return out
+
+
 def time_to_target(record: dict, target: float) -> float | None:
     """Training seconds until the test accuracy first reaches ``target`` (``None``: never)."""
     for acc, t in zip(record["history"].get("val_accuracy", []), record["train_s_per_epoch"]):

@@ -55,7 +55,17 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("lr", 0.05, "Learning rate.", **fv)
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (global momentum: applied after the "
                        "exchange).", **fv)
+    flags.DEFINE_boolean("momentum_correction", False, "Sparse methods: local momentum with "
+                         "DGC correction and factor masking (the wrapper's "
+                         "momentum_correction=--momentum) instead of global momentum after "
+                         "the exchange.  Dense is unaffected (the two are the same math).",
+                         **fv)
     flags.DEFINE_integer("seed", 0, "Seed for model initialisation and data order.", **fv)
+    flags.DEFINE_float("stop_at_accuracy", 0.0, "Stop once the per-epoch test accuracy "
+                       "reaches this (and --min_epochs are done); 0 = never.  Needs "
+                       "--validate.", lower_bound=0.0, upper_bound=1.0, **fv)
+    flags.DEFINE_integer("min_epochs", 1, "Epochs always trained before --stop_at_accuracy "
+                         "may stop the run.", lower_bound=1, **fv)
     flags.DEFINE_string("model_dir", None, "Checkpoints (backup/), TensorBoard logs (logs/) "
                         "and metrics.json (written by the chief).", **fv)
     flags.DEFINE_integer("save_freq", 0, "Back up every N steps (0 = every epoch); needs "
@@ -69,6 +79,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.register_validator(
         "density", lambda d: d is None or 0.0 < d <= 1.0, "--density must be in (0, 1]", **fv)
     flags.register_validator("k", lambda k: k is None or k >= 1, "--k must be >= 1", **fv)
+    flags.register_multi_flags_validator(
+        ["stop_at_accuracy", "validate"], lambda f: not f["stop_at_accuracy"] or f["validate"],
+        "--stop_at_accuracy needs --validate (it reads the per-epoch test accuracy)", **fv)
     flags.register_multi_flags_validator(
         ["k", "density"], lambda f: f["k"] is None or f["density"] is None,
         "give at most one of --k and --density", **fv)

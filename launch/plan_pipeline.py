@@ -208,6 +208,14 @@ def plot_plans(profile: ModelProfile, topology: Topology, plans: dict[str, Pipel
     plt.close(fig)
 
 
+def _load_json(flag: str, path: str, cls: Any) -> Any:
+    """``cls.from_json`` of the file ``--flag`` names; a ``UsageError`` naming the flag."""
+    try:
+        return cls.from_json(_read(flag, path))
+    except (ValueError, KeyError, TypeError) as err:
+        raise app.UsageError(f"--{flag}: not a {cls.__name__} JSON: {err}") from err
+
+
 def _read(flag: str, path: str) -> str:
     try:
         with open(path, encoding="utf-8") as fh:
@@ -230,19 +238,13 @@ def run(f: Any = FLAGS) -> dict:
     from tf_blocksparse.planning import ModelProfile, Topology, compare_pipeline_plans
 
     if f.topology_json:
-        try:
-            topology = Topology.from_json(_read("topology_json", f.topology_json))
-        except (ValueError, KeyError, TypeError) as err:
-            raise app.UsageError(f"--topology_json: not a Topology JSON: {err}") from err
+        topology = _load_json("topology_json", f.topology_json, Topology)
     else:
         topology = build_topology(f.topology, f.num_devices, f.devices_per_node,
                                   f.bandwidth_gbit, f.intra_bandwidth_gbit,
                                   f.inter_bandwidth_gbit, f.spread, f.seed)
     if f.profile_json:
-        try:
-            profile = ModelProfile.from_json(_read("profile_json", f.profile_json))
-        except (ValueError, KeyError, TypeError) as err:
-            raise app.UsageError(f"--profile_json: not a ModelProfile JSON: {err}") from err
+        profile = _load_json("profile_json", f.profile_json, ModelProfile)
     else:
         shape = [int(s) for s in f.input_shape] or list(DATASET_SHAPES[f.dataset])
         profile = profile_registry_model(f.model, shape, f.num_classes, f.batch_size,
@@ -271,7 +273,7 @@ def main(argv: list[str]) -> None:
     """Runs :func:`run` and prints the profile summary, the plans and the comparison."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from tf_blocksparse.planning.pipeline_baselines import pipedream_levels
+    from tf_blocksparse.planning import pipedream_levels
 
     result = run()
     profile, topology = result["profile"], result["topology"]

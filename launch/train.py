@@ -50,21 +50,29 @@ def make_strategy(name: str, num_devices: int):
 
 
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
-                   exchange: str, lr: float, momentum: float):
-    """SGD(momentum) inside the wrapper that ``--compression`` asks for."""
+                   exchange: str, lr: float, momentum: float,
+                   momentum_correction: bool = False):
+    """SGD(momentum) inside the wrapper that ``--compression`` asks for.
+
+    With ``momentum_correction`` the sparse methods keep the momentum per replica before
+    the exchange (DGC) and the inner SGD has none; dense keeps the global momentum.
+    """
     import keras
 
     import tf_blocksparse as tfbs
 
-    inner = keras.optimizers.SGD(lr, momentum=momentum)
     if compression == "dense":
-        return tfbs.BlockSparseOptimizer(inner, exchange="dense")
+        return tfbs.BlockSparseOptimizer(keras.optimizers.SGD(lr, momentum=momentum),
+                                         exchange="dense")
+    local = momentum_correction and momentum > 0
+    inner = keras.optimizers.SGD(lr, momentum=0.0 if local else momentum)
+    extra = {"momentum_correction": momentum} if local else {}
     if compression == "topk":
         return tfbs.BlockSparseOptimizer(inner, k=k, density=density if k else density or 0.01,
                                          metric=metric, exchange=exchange,
-                                         granularity="element")
+                                         granularity="element", **extra)
     return tfbs.BlockSparseOptimizer(inner, k=k, density=density, metric=metric,
-                                     exchange=exchange)
+                                     exchange=exchange, **extra)
 
 
 def epoch_clock():
@@ -115,6 +123,23 @@ def _dump_restored(path: str, index: int):
     return Dump()
 
 
+def stop_at_accuracy(target: float, min_epochs: int, key: str = "val_accuracy"):
+    """Callback stopping training once ``logs[key] >= target`` after ``min_epochs`` epochs.
+
+    The validation metrics are reduced over all replicas, so every worker of a multi-worker
+    cluster sees the same value and stops after the same epoch.
+    """
+    import keras
+
+    class StopAtAccuracy(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            value = (logs or {}).get(key)
+            if value is not None and epoch + 1 >= min_epochs and value >= target:
+                self.model.stop_training = True
+
+    return StopAtAccuracy()
+
+
 def _fail_at(step: int):
     """Fault injection: a callback that ``os._exit(17)``-s after ``step`` training steps."""
     import keras
@@ -156,7 +181,7 @@ def run(argv_flags=FLAGS) -> dict:
     with strategy.scope():
         model = registry.build_model(f.model, arrays.input_shape, arrays.num_classes, seed=f.seed)
         opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, f.lr,
-                             f.momentum)
+                             f.momentum, f.momentum_correction)
         if sequence:
             from models import nmt
             loss, metrics = nmt.masked_sparse_ce, [nmt.token_accuracy]
@@ -176,6 +201,10 @@ def run(argv_flags=FLAGS) -> dict:
         callbacks.append(_dump_restored(f.dump_restored, index))
     if f.fail_at_step >= 0 and index == f.fail_worker:
         callbacks.append(_fail_at(f.fail_at_step))
+    if f.stop_at_accuracy:
+        callbacks.append(stop_at_accuracy(
+            f.stop_at_accuracy, f.min_epochs,
+            "val_token_accuracy" if sequence else "val_accuracy"))
     clock = epoch_clock()
     callbacks.append(clock)
     test_ds = pipeline.test_dataset(arrays, 256)
@@ -189,7 +218,8 @@ def run(argv_flags=FLAGS) -> dict:
     m = opt.block_sparse_metrics()
     record = {
         "test_accuracy": float(results[acc_key]), "test_loss": float(results["loss"]),
-        "epochs": f.epochs, "initial_epoch": int(getattr(model, "_initial_epoch", 0) or 0),
+        "epochs": f.epochs, "epochs_trained": len(clock.train_s),
+        "initial_epoch": int(getattr(model, "_initial_epoch", 0) or 0),
         "steps": int(opt.iterations.numpy()), "steps_per_epoch": steps,
         "wall_s": round(wall, 2), "payload_bytes_per_step": int(m["payload_bytes"]),
         "dense_bytes_per_step": int(m["dense_bytes"]),

@@ -102,7 +102,7 @@ def test_simulation_schema(record: dict) -> None:
 def test_step_time_schema(record: dict) -> None:
     step = record["step_time"]
     assert step["replicas"] == 2
-    assert set(step["methods"]) == set(bench_fusion.STEP_METHODS)
+    assert set(step["methods"]) == {*bench_fusion.STEP_METHODS, "fused_cross_device_ops"}
     for row in step["methods"].values():
         assert row["median_ms"] > 0 and row["ratio_vs_tf_default"] > 0
         assert len(row["times_ms"]) == REPEATS and all(t > 0 for t in row["times_ms"])

@@ -5,39 +5,22 @@ import dataclasses
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tests import reference as ref
-from tests.test_optimizer_reference import _data, _loss, _model, _replica_grads
-
-LR, MOMENTUM, STEPS = 0.05, 0.9, 4
+from tests.test_optimizer_reference import (
+    LR,
+    MOMENTUM,
+    STEPS,
+    _data,
+    _model,
+    _replica_grads,
+    _run_distributed,
+)
 
 
 def _train(strategy, inner_momentum=0.0, **opt_kwargs):
-    with strategy.scope():
-        model = _model()
-        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=inner_momentum),
-                                        **opt_kwargs)
-        opt.build(model.trainable_variables)
-    n = strategy.num_replicas_in_sync
-
-    @tf.function
-    def train(x, y):
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = _loss(model, xb, yb, n)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-        strategy.run(step, args=(x, y))
-
-    for s in range(STEPS):
-        x = strategy.experimental_distribute_values_from_function(
-            lambda ctx, s=s: tf.constant(_data(s, ctx.replica_id_in_sync_group)[0]))
-        y = strategy.experimental_distribute_values_from_function(
-            lambda ctx, s=s: tf.constant(_data(s, ctx.replica_id_in_sync_group)[1]))
-        train(x, y)
-    return model, opt
+    return _run_distributed(strategy, inner_momentum=inner_momentum, **opt_kwargs)
 
 
 def _reference(n, mode, k=None, density=None, granularity="block"):

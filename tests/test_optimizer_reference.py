@@ -38,10 +38,11 @@ def _replica_grads(weights, x, y, num_replicas):
     return [g.numpy() for g in tape.gradient(loss, m.trainable_variables)]
 
 
-def _run_distributed(strategy, **opt_kwargs):
+def _run_distributed(strategy, inner_momentum=MOMENTUM, **opt_kwargs):
     with strategy.scope():
         model = _model()
-        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM), **opt_kwargs)
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=inner_momentum),
+                                        **opt_kwargs)
         opt.build(model.trainable_variables)
     n = strategy.num_replicas_in_sync
 

@@ -25,7 +25,6 @@ a ``LossScaleOptimizer`` *inside* is rejected because residuals would mix loss s
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,63 +34,24 @@ import tensorflow as tf
 from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse import exchange as exchange_lib
-from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
+from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras.forward_order import backward_ranks
+from tf_blocksparse.keras.optimizer_args import (
+    GRANULARITIES,
+    NONFINITE,
+    densify,
+    discover_owners,
+    no_all_reduce,
+    validate_arguments,
+)
 from tf_blocksparse.planning.balanced import plan_backward
 from tf_blocksparse.planning.fusion import FusionPlan
 from tf_blocksparse.unitwise import layout_unit_axes
 
-NONFINITE = ("skip", "apply")
-GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
+__all__ = ["BlockSparseOptimizer", "GRANULARITIES", "NONFINITE", "STAT_NAMES",
+           "discover_owners"]
+
 STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps")
-
-
-def _no_all_reduce(grads_and_vars: Any) -> list:
-    """Replaces the inner optimizer's all-reduce: the wrapper already exchanged."""
-    return list(grads_and_vars)
-
-
-@tf.autograph.experimental.do_not_convert
-def discover_owners(variables: Sequence[Any]) -> dict[int, Any]:
-    """Maps ``id(variable)`` to the live Keras layer that created it.
-
-    The optimizer only sees variables, but the block-rule table needs each one's layer class
-    (a renamed ``Conv2DTranspose`` kernel must not be split like a ``Conv2D`` kernel).  One
-    pass over the garbage collector's live objects at build time finds the layers.
-    """
-    wanted = {id(v) for v in variables}
-    owners: dict[int, Any] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, keras.layers.Layer):
-            for v in getattr(obj, "_trainable_variables", ()):
-                if id(v) in wanted:
-                    owners.setdefault(id(v), obj)
-    return owners
-
-
-def _densify(g: Any, v: Any) -> tf.Tensor:
-    """Dense gradient with the variable's static shape (IndexedSlices are summed per row;
-    a gradient whose static shape TF lost, e.g. a Dense kernel on rank-3 input, gets it back).
-    """
-    if isinstance(g, tf.IndexedSlices):
-        g = tf.math.unsorted_segment_sum(g.values, g.indices, g.dense_shape[0])
-    return tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
-
-
-def _check_momentum_correction(value: Any, inner: keras.optimizers.Optimizer
-                               ) -> float | None:
-    """Validates ``momentum_correction``; returns it as a float (``None``: off)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"`momentum_correction` must be a float in [0, 1), got {value!r}")
-    inner_momentum = float(getattr(inner, "momentum", 0.0) or 0.0)
-    if value and inner_momentum:
-        raise ValueError(f"`momentum_correction` keeps the momentum per replica before the "
-                         f"exchange, so the inner optimizer must have none; got inner "
-                         f"momentum={inner_momentum}")
-    return float(value)
 
 
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
@@ -142,37 +102,11 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  granularity: str = "block", fusion_buffer_bytes: int | None = None,
                  clipping: Any = None, momentum_correction: float | None = None,
                  name: str | None = None, **kwargs: Any):
-        if not isinstance(inner, keras.optimizers.Optimizer):
-            raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
-        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
-            raise TypeError("`inner` must not be a LossScaleOptimizer: use "
-                            "LossScaleOptimizer(BlockSparseOptimizer(...)) instead")
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
-        k, density = validate_k_density(k, density)
-        if metric not in selection.METRICS:
-            raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
-        if exchange not in exchange_lib.EXCHANGES:
-            raise ValueError(f"`exchange` must be one of {exchange_lib.EXCHANGES}, "
-                             f"got {exchange!r}")
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"`granularity` must be one of {sorted(GRANULARITIES)}, "
-                             f"got {granularity!r}")
-        if fusion_buffer_bytes is not None and (
-                isinstance(fusion_buffer_bytes, bool) or not isinstance(fusion_buffer_bytes, int)
-                or fusion_buffer_bytes < 1):
-            raise ValueError(f"`fusion_buffer_bytes` must be an int >= 1, got "
-                             f"{fusion_buffer_bytes!r}")
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"`nonfinite` must be one of {NONFINITE}, got {nonfinite!r}")
-        for rule in (block_rules or {}).values():
-            blocks._as_rule(rule, "block_rules")
-        rules = clipping_lib.as_rules(clipping)
-        momentum_correction = _check_momentum_correction(momentum_correction, inner)
-        kwargs.pop("learning_rate", None)
-        if kwargs:
-            raise ValueError(f"BlockSparseOptimizer does not take {sorted(kwargs)}; set them "
-                             "on the inner optimizer")
+        k, density, rules, momentum_correction = validate_arguments(
+            inner, k, density, metric, exchange, nonfinite, block_rules, granularity,
+            fusion_buffer_bytes, clipping, momentum_correction, kwargs)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner
         self.k, self.density = k, density
@@ -185,7 +119,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self.momentum_correction = momentum_correction
         self.block_rules = dict(block_rules or {})
         self._model = model
-        inner._all_reduce_sum_gradients = _no_all_reduce
+        inner._all_reduce_sum_gradients = no_all_reduce
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
         self._backward_ranks: list[int] | None = None
@@ -283,7 +217,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context (inside "
                              "strategy.run or model.fit)")
-        pairs = [(_densify(g, v), v) for g, v in zip(grads, tvs) if g is not None]
+        pairs = [(densify(g, v), v) for g, v in zip(grads, tvs) if g is not None]
         if not pairs:
             return
         grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]

@@ -41,7 +41,12 @@ from .pipeline import (
     stage_time,
     validate_plan,
 )
-from .pipeline_baselines import compare_pipeline_plans, plan_oblivious, plan_pipedream
+from .pipeline_baselines import (
+    compare_pipeline_plans,
+    pipedream_levels,
+    plan_oblivious,
+    plan_pipedream,
+)
 from .pipeline_sim import schedule_order, simulate_pipeline
 from .placement import (
     LayerMemory,
@@ -74,7 +79,8 @@ __all__ = [
     # pipeline planning (SPEC S3)
     "LayerProfile", "ModelProfile", "PipelinePlan", "Stage", "Topology",
     "compare_pipeline_plans", "evaluate_stages", "homogeneous", "make_plan", "plan_bruteforce",
-    "plan_cost", "plan_exhaustive", "plan_oblivious", "plan_pipedream", "plan_pipeline",
+    "pipedream_levels", "plan_cost", "plan_exhaustive", "plan_oblivious", "plan_pipedream",
+    "plan_pipeline",
     "random_heterogeneous", "random_profile", "schedule_order", "simulate_pipeline",
     "stage_time", "synthetic_profile", "two_level", "validate_plan",
     # memory-aware hybrid placement (SPEC S4)

@@ -1,0 +1,78 @@
+"""The committed evidence files in ``benchmarks/results`` keep the schema the README cites."""
+
+import json
+import math
+import os
+
+import pytest
+
+from launch import results_tables
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "benchmarks", "results")
+TTA_FIELDS = {"model", "bandwidth_mbit", "method", "time_to_target_s", "final_accuracy",
+              "bytes_per_step", "speedup_vs_dense"}
+
+
+def _load(name: str) -> dict:
+    path = os.path.join(RESULTS, name)
+    assert os.path.exists(path), f"{path} is missing: run `make bench`"
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _png(name: str) -> None:
+    path = os.path.join(RESULTS, name)
+    with open(path, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+
+
+def test_time_to_accuracy_file():
+    doc = _load("time_to_accuracy.json")
+    records = doc["records"]
+    groups = {(r["model"], r["bandwidth_mbit"]) for r in records}
+    assert {m for m, _ in groups} >= {"vgg_fc", "resnet20"}
+    assert {b for _, b in groups} >= {100.0, 1000.0}
+    for r in records:
+        assert TTA_FIELDS <= set(r)
+        assert 0.0 <= r["final_accuracy"] <= 1.0 and r["bytes_per_step"] > 0
+        if r["method"] == "dense":
+            assert r["speedup_vs_dense"] == 1.0 and r["bytes_per_step"] == \
+                r["dense_bytes_per_step"]
+        else:
+            assert r["bytes_per_step"] < r["dense_bytes_per_step"]
+        t = r["time_to_target_s"]
+        assert t is None or (math.isfinite(t) and t > 0)
+        assert (r["speedup_vs_dense"] is None) == (t is None)
+    for model, bw in groups:
+        methods = {r["method"] for r in records
+                   if (r["model"], r["bandwidth_mbit"]) == (model, bw)}
+        assert {"dense", "block_allgather", "block_shared", "topk"} <= methods
+    assert doc["budget"]["num_workers"] == 4
+    table = results_tables.time_to_accuracy_table(doc).splitlines()
+    assert len(table) == len(records) + 2
+    _png("time_to_accuracy.png")
+
+
+def test_convergence_file():
+    doc = _load("convergence.json")
+    rows = doc["records"]
+    assert {"dense", "block_k1", "block_1pct", "topk_1pct"} <= {r["method"] for r in rows}
+    for r in rows:
+        assert 0.0 <= r["mean"] <= 1.0 and r["std"] >= 0.0
+        assert len(r["final_accuracy"]) == len(r["seeds"]) >= 1
+        assert isinstance(r["within_0_3_points"], bool)
+    main = [r for r in rows if r["model"] == doc["records"][0]["model"]]
+    assert all(len(r["seeds"]) >= 3 for r in main)
+    assert len(results_tables.convergence_table(doc).splitlines()) == len(rows) + 2
+    _png("convergence.png")
+
+
+@pytest.mark.parametrize("key", ["projections", "sanity_check", "summary"])
+def test_scaling_file(key):
+    doc = _load("scaling.json")
+    assert doc["schema"].startswith("tf_blocksparse.scaling/")
+    assert doc[key]
+    for p in doc["projections"]:
+        assert 0.0 < p["efficiency_no_overlap"] <= p["efficiency_overlap"] <= 1.0
+        assert p["workers"] in doc["workers"] and p["bandwidth_gbit"] in doc["bandwidths_gbit"]
