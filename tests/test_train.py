@@ -37,7 +37,9 @@ def test_flags_parse_and_validate():
         "vgg_fc", "topk", 0.01, "shared", 3)
     assert fv.data_dir == "/usr/share/datasets/fashion-mnist"
     for bad in (["--k=1", "--density=0.5"], ["--density=1.5"], ["--k=0"], ["--dataset=mnist"],
-                ["--model=resnet50"], ["--strategy=tpu"], ["--dataset=tfds:"]):
+                ["--model=resnet50"], ["--strategy=tpu"], ["--dataset=tfds:"],
+                ["--stop_at_accuracy=1.5"], ["--stop_at_accuracy=0.5", "--novalidate"],
+                ["--min_epochs=0"]):
         with pytest.raises(flags.Error):
             _flag_values(*bad)
 
@@ -64,6 +66,21 @@ def test_two_worker_cluster_trains_and_writes_metrics(tmp_path):
     assert val[-1] > val[0] and m["test_accuracy"] > 0.2, val
     assert m["payload_bytes_per_step"] * 20 < m["dense_bytes_per_step"]
     assert m["flags"]["compression"] == "block" and m["flags"]["k"] == 1
+
+
+def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
+    """--stop_at_accuracy: every worker sees the same reduced val_accuracy and stops after
+    the same epoch (a worker that went on alone would hang the cluster); momentum correction
+    runs under MultiWorkerMirroredStrategy."""
+    rc = run_local_cluster([*TRAIN, "--compression=block", "--density=0.1",
+                            "--momentum_correction", "--epochs=6", "--steps_per_epoch=5",
+                            "--stop_at_accuracy=0.01", "--min_epochs=2",
+                            f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300)
+    assert rc == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["epochs_trained"] == 2 and m["steps"] == 10
+    assert len(m["history"]["val_accuracy"]) == 2
+    assert m["flags"]["momentum_correction"] is True
 
 
 def test_one_failing_worker_fails_the_run_quickly(tmp_path, capsys):
