@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
+from tests.test_optimizer import train_lazily
 from tf_blocksparse.keras.forward_order import (
     backward_ranks,
     derive_execution_order,
@@ -152,16 +153,7 @@ def test_optimizer_derives_while_built_lazily_inside_a_tf_function():
     model = _out_of_order()
     opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, model=model,
                                     fusion_buffer_bytes=100)
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(x) ** 2)
-        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-
-    step(tf.ones((2, 4)))
-    step(tf.ones((2, 4)))
-    assert int(opt.iterations.numpy()) == 2
+    train_lazily(model, opt)
     assert opt.fusion_plan.order == (1, 0, 3, 2)
 
 

@@ -278,11 +278,8 @@ def test_dense_on_rank3_input_gradient_with_unknown_static_shape():
     assert np.isfinite(hist.history["loss"]).all()
 
 
-def test_built_lazily_inside_a_tf_function():
-    # apply() may build the optimizer while a tf.function traces (owner discovery must not
-    # be autograph-converted).
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1)
+def train_lazily(model, opt, steps=2):
+    """Steps of a tf.function whose first trace builds ``opt`` (inputs [2, 4])."""
 
     @tf.function
     def step(x):
@@ -290,6 +287,13 @@ def test_built_lazily_inside_a_tf_function():
             loss = tf.reduce_sum(model(x) ** 2)
         opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
 
-    step(tf.ones((2, 4)))
-    step(tf.ones((2, 4)))
-    assert int(opt.iterations.numpy()) == 2
+    for _ in range(steps):
+        step(tf.ones((2, 4)))
+    assert int(opt.iterations.numpy()) == steps
+
+
+def test_built_lazily_inside_a_tf_function():
+    # apply() may build the optimizer while a tf.function traces (owner discovery must not
+    # be autograph-converted).
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    train_lazily(model, tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1))
