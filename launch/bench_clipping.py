@@ -278,12 +278,6 @@ def build_variants(strategy: tf.distribute.Strategy, names: Sequence[str], model
     return out
 
 
-def make_batch(strategy: tf.distribute.Strategy, batch: int, image_size: int
-               ) -> tuple[Any, Any]:
-    """A fixed random batch per replica (``x`` [batch, size, size, 3], ``y`` [batch])."""
-    return random_replica_batch(strategy, batch, image_size, CLASSES)
-
-
 def gradient_nbytes(model: keras.Model) -> list[int]:
     """Bytes of each trainable variable's gradient, in variable order."""
     return [int(np.prod(v.shape, dtype=np.int64)) * int(tf.as_dtype(v.dtype).size)
@@ -546,7 +540,7 @@ def run(model: str = "resnet20", image_size: int = 32, batch: int = 16, warmup: 
     variants = build_variants(strategy, ("single_group", *STEP_VARIANTS), model, image_size,
                               threshold, buffer_bytes)
     variants["fused"] = dataclasses.replace(variants["local_clip_allgather"], name="fused")
-    x, y = make_batch(strategy, batch, image_size)
+    x, y = random_replica_batch(strategy, batch, image_size, CLASSES)
     for name in ("single_group", *STEP_VARIANTS):
         variants[name].first_call_s = _call(variants[name].step, x, y)
     t1 = time.perf_counter()

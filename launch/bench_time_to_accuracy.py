@@ -209,8 +209,7 @@ def main(argv: list[str]) -> None:
             doc["group_budgets"][key] = budget
             with open(path, "w") as fh:  # after every group: an interrupted bench keeps them
                 json.dump(doc, fh, indent=1)
-    groups = {k: v for k, v in doc["runs"].items()}
-    experiments.plot_curves(groups, os.path.join(f.out, "time_to_accuracy.png"),
+    experiments.plot_curves(doc["runs"], os.path.join(f.out, "time_to_accuracy.png"),
                             f"{f.num_workers} workers, shaped links, density {f.density}")
     print(json.dumps({k: v for k, v in doc.items() if k != "runs"}))
 

@@ -24,7 +24,6 @@ a ``LossScaleOptimizer`` *inside* is rejected because residuals would mix loss s
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -242,8 +241,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                 "dense", ctx, lambda g: None, grads, None, groups, self.metric)
         else:
             def make_comp(group: Sequence[int]) -> BlockTopK:
-                return GRANULARITIES[self.granularity](
-                    [self.layouts[idx[i]] for i in group], self.k, self.density, self.metric)
+                return self._compressor([idx[i] for i in group])
 
             residuals = [self._residuals[i] for i in idx]
             state = [tf.convert_to_tensor(r.value) for r in residuals]
@@ -258,18 +256,18 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         self._record(result)
         self._apply_inner(result.updates, tvs, result.finite)
 
+    def _compressor(self, variables: Sequence[int]) -> BlockTopK:
+        """The compressor (of ``granularity``) over the variables with indices ``variables``."""
+        return GRANULARITIES[self.granularity](
+            [self.layouts[i] for i in variables], self.k, self.density, self.metric)
+
     def _mask_sent(self, us: Sequence[tf.Tensor], idx: Sequence[int],
                    sent_ids: Sequence[tf.Tensor] | None) -> list[tf.Tensor]:
         """``us`` [*shape] with the blocks each replica sent (``sent_ids`` [k_v]) zeroed."""
         if sent_ids is None:  # dense: everything was sent, the velocity carries on whole
             return list(us)
-        out = []
-        for u, i, ids in zip(us, idx, sent_ids):
-            lay = self.layouts[i]
-            if self.granularity == "element":
-                lay = dataclasses.replace(lay, rule=blocks.ELEMENT)
-            out.append(selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay)))
-        return out
+        return [selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
+                for u, lay, ids in zip(us, self._compressor(idx).layouts, sent_ids)]
 
     def _fusion_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
                        ) -> list[list[int]]:
