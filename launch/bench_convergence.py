@@ -50,6 +50,18 @@ def define_flags() -> None:
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
 
 
+def same_as_k1(model: str, density: float, input_shape: tuple[int, ...] = (28, 28, 1),
+               num_classes: int = 10) -> bool:
+    """Whether ``density`` keeps exactly one block of every variable of ``model`` (then the
+    block-density run is the block k=1 run, step for step)."""
+    import tf_blocksparse as tfbs
+    from models import registry
+
+    m = registry.build_model(model, input_shape, num_classes, seed=0)
+    return all(tfbs.selection.num_selected(lay.num_blocks, density=density) == 1
+               for lay in tfbs.blocks.layouts_for(m.trainable_variables, m))
+
+
 def summarise(model: str, method: str, records: list[dict]) -> dict:
     """Mean / std of the final accuracy and the per-epoch curve of one model x method."""
     finals = [r["test_accuracy"] for r in records]
@@ -105,12 +117,21 @@ def main(argv: list[str]) -> None:
     plans = [(f.model, [int(s) for s in f.seeds], f.steps_per_epoch)]
     if f.extra_model:
         plans.append((f.extra_model, [0], f.extra_steps_per_epoch or f.steps_per_epoch))
+    for name in f.methods:
+        if name not in CONV_METHODS:
+            raise app.UsageError(f"--methods: unknown {name!r}")
     rows = []
     for model, seeds, steps in plans:
+        done: dict[str, dict] = {}
         for name in f.methods:
-            if name not in CONV_METHODS:
-                raise app.UsageError(f"--methods: unknown {name!r}")
             method, density = CONV_METHODS[name]
+            if (name == "block_1pct" and "block_k1" in done
+                    and same_as_k1(model, density)):  # the identical run, not repeated
+                rows.append({**done["block_k1"], "method": name,
+                             "same_run_as": "block_k1 (1% keeps one block of every variable)"})
+                print(json.dumps({"model": model, "method": name, "same_run_as": "block_k1"}),
+                      flush=True)
+                continue
             recs = []
             for seed in seeds:
                 rec = experiments.run_training(
@@ -120,7 +141,8 @@ def main(argv: list[str]) -> None:
                 recs.append(rec)
                 print(json.dumps({"model": model, "method": name, "seed": seed,
                                   "test_accuracy": round(rec["test_accuracy"], 4)}), flush=True)
-            rows.append(summarise(model, name, recs))
+            done[name] = summarise(model, name, recs)
+            rows.append(done[name])
     dense = {r["model"]: r["mean"] for r in rows if r["method"] == "dense"}
     for r in rows:
         if r["model"] in dense:

@@ -91,7 +91,8 @@ def slim(record: dict) -> dict:
             "steps_per_epoch", "epochs_trained", "payload_bytes_per_step",
             "dense_bytes_per_step", "train_s_per_epoch", "launcher_wall_s", "num_workers")
     out = {k: record[k] for k in keep if k in record}
-    out["history"] = {"val_accuracy": list(record["history"].get("val_accuracy", []))}
+    out["history"] = {key: list(record["history"][key])
+                      for key in ("val_accuracy", "payload_bytes") if key in record["history"]}
     return out
 
 
@@ -103,13 +104,26 @@ def time_to_target(record: dict, target: float) -> float | None:
     return None
 
 
+def bytes_per_epoch(record: dict) -> list[float]:
+    """Bytes each worker handed to the collectives in each epoch.
+
+    From the per-epoch ``payload_bytes`` of the history (it changes under a density warm-up),
+    else the record's steady ``payload_bytes_per_step``.
+    """
+    accs = record["history"].get("val_accuracy", [])
+    per_step = record["history"].get("payload_bytes") or \
+        [record["payload_bytes_per_step"]] * len(accs)
+    return [float(b) * record["steps_per_epoch"] for b in per_step[:len(accs)]]
+
+
 def curve(record: dict) -> tuple[list[float], list[float], list[float]]:
     """``(train seconds, cumulative MiB sent per worker, test accuracy)`` per epoch."""
-    steps = record["steps_per_epoch"]
-    per_step = record["payload_bytes_per_step"] / 2**20
     accs = record["history"].get("val_accuracy", [])
-    return (list(record["train_s_per_epoch"][:len(accs)]),
-            [per_step * steps * (e + 1) for e in range(len(accs))], list(accs))
+    sent, total = [], 0.0
+    for b in bytes_per_epoch(record):
+        total += b
+        sent.append(total / 2**20)
+    return list(record["train_s_per_epoch"][:len(accs)]), sent, list(accs)
 
 
 def plot_curves(groups: dict[str, list[dict]], path: str, title: str) -> None:

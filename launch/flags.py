@@ -7,6 +7,13 @@ from absl import flags
 MODELS = ["resnet20", "vgg_fc", "cnn_small", "gru_nmt"]
 
 
+def _valid_densities(values: list[str]) -> bool:
+    try:
+        return all(0.0 < float(v) <= 1.0 for v in values)
+    except ValueError:
+        return False
+
+
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Defines the training flags (call once, before ``app.run``).
 
@@ -60,6 +67,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "momentum_correction=--momentum) instead of global momentum after "
                          "the exchange.  Dense is unaffected (the two are the same math).",
                          **fv)
+    flags.DEFINE_integer("dense_below", 0, "Sparse methods: variables with fewer elements "
+                         "are sent whole every step (DGC leaves small layers uncompressed).",
+                         lower_bound=0, **fv)
+    flags.DEFINE_list("density_warmup", [], "Sparse methods: densities for the first epochs "
+                      "(DGC warm-up, e.g. 0.25,0.1); later epochs use --k/--density.", **fv)
     flags.DEFINE_integer("seed", 0, "Seed for model initialisation and data order.", **fv)
     flags.DEFINE_float("stop_at_accuracy", 0.0, "Stop once the per-epoch test accuracy "
                        "reaches this (and --min_epochs are done); 0 = never.  Needs "
@@ -78,6 +90,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
     flags.register_validator(
         "density", lambda d: d is None or 0.0 < d <= 1.0, "--density must be in (0, 1]", **fv)
+    flags.register_validator(
+        "density_warmup", _valid_densities,
+        "--density_warmup must be a comma-separated list of numbers in (0, 1]", **fv)
     flags.register_validator("k", lambda k: k is None or k >= 1, "--k must be >= 1", **fv)
     flags.register_multi_flags_validator(
         ["stop_at_accuracy", "validate"], lambda f: not f["stop_at_accuracy"] or f["validate"],

@@ -51,7 +51,7 @@ def make_strategy(name: str, num_devices: int):
 
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
                    exchange: str, lr: float, momentum: float,
-                   momentum_correction: bool = False):
+                   momentum_correction: bool = False, dense_below: int = 0):
     """SGD(momentum) inside the wrapper that ``--compression`` asks for.
 
     With ``momentum_correction`` the sparse methods keep the momentum per replica before
@@ -67,6 +67,8 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
     local = momentum_correction and momentum > 0
     inner = keras.optimizers.SGD(lr, momentum=0.0 if local else momentum)
     extra = {"momentum_correction": momentum} if local else {}
+    if dense_below:
+        extra["dense_below"] = dense_below
     if compression == "topk":
         return tfbs.BlockSparseOptimizer(inner, k=k, density=density if k else density or 0.01,
                                          metric=metric, exchange=exchange,
@@ -181,7 +183,7 @@ def run(argv_flags=FLAGS) -> dict:
     with strategy.scope():
         model = registry.build_model(f.model, arrays.input_shape, arrays.num_classes, seed=f.seed)
         opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, f.lr,
-                             f.momentum, f.momentum_correction)
+                             f.momentum, f.momentum_correction, f.dense_below)
         if sequence:
             from models import nmt
             loss, metrics = nmt.masked_sparse_ce, [nmt.token_accuracy]
@@ -201,6 +203,8 @@ def run(argv_flags=FLAGS) -> dict:
         callbacks.append(_dump_restored(f.dump_restored, index))
     if f.fail_at_step >= 0 and index == f.fail_worker:
         callbacks.append(_fail_at(f.fail_at_step))
+    if f.density_warmup and f.compression != "dense":
+        callbacks.append(tfbs.DensityWarmup([float(d) for d in f.density_warmup]))
     if f.stop_at_accuracy:
         callbacks.append(stop_at_accuracy(
             f.stop_at_accuracy, f.min_epochs,

@@ -122,7 +122,7 @@ def np_compress(grad: np.ndarray, residual: np.ndarray, layout: Any, k: int | No
 def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
             residuals_per_replica: Sequence[Sequence[np.ndarray]] | None,
             layouts: Sequence[Any], k: int | None = None, density: float | None = None,
-            metric: str = "l1", sent: list | None = None
+            metric: str = "l1", sent: list | None = None, dense_below: int = 0
             ) -> tuple[list[np.ndarray], list[list[np.ndarray]], bool]:
     """One exchange step over all replicas.
 
@@ -134,6 +134,7 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
       k, density, metric: Selection parameters (see :func:`np_compress`).
       sent: If a list, it receives ``[replica][variable]`` the block ids each replica
         moved out of its residual.
+      dense_below: Variables with fewer elements keep all their blocks.
 
     Returns:
       ``(updates, new_residuals, finite)``: per variable the summed update (the same on
@@ -161,7 +162,8 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
     residuals: list[list[np.ndarray]] = [[None] * nvars for _ in range(n)]
     sent_ids: list[list[np.ndarray]] = [[None] * nvars for _ in range(n)]
     for v, lay in enumerate(layouts):
-        count = np_num_selected(_view_shape(lay)[1], k, density)
+        nb = _view_shape(lay)[1]
+        count = nb if np.prod(_shape(lay)) < dense_below else np_num_selected(nb, k, density)
         if mode == "shared":
             summed = sum(scores[r][v] for r in range(n))
             finite = finite and bool(np.all(np.isfinite(summed)))

@@ -43,12 +43,14 @@ def _fit(strategy, opt_fn, ops=None):
     return model, hist
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "shared"])
-def test_same_weights_as_the_optimizer_wrapper(mirrored2, exchange):
-    strategy, ops = _strategy("ops", k=1, exchange=exchange)
+@pytest.mark.parametrize("exchange,dense_below", [("allgather", 0), ("shared", 0),
+                                                  ("allgather", 100)])
+def test_same_weights_as_the_optimizer_wrapper(mirrored2, exchange, dense_below):
+    strategy, ops = _strategy("ops", k=1, exchange=exchange, dense_below=dense_below)
     via_ops, hist = _fit(strategy, lambda: keras.optimizers.SGD(0.05, momentum=0.9), ops)
     via_opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), k=1, exchange=exchange))
+        keras.optimizers.SGD(0.05, momentum=0.9), k=1, exchange=exchange,
+        dense_below=dense_below))
     for a, b in zip(via_ops.get_weights(), via_opt.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert not np.allclose(via_ops.get_weights()[0], _model().get_weights()[0])
@@ -57,7 +59,9 @@ def test_same_weights_as_the_optimizer_wrapper(mirrored2, exchange):
     assert ops.payload_bytes < ops.dense_bytes / 2
     residuals = next(iter(ops.residuals.values()))
     assert len(residuals) == 2 and len(residuals[0]) == 4
-    assert not np.array_equal(residuals[0][0].numpy(), residuals[1][0].numpy())
+    assert not np.array_equal(residuals[0][2].numpy(), residuals[1][2].numpy())
+    # the 45-element conv kernel goes whole under dense_below=100: nothing held back
+    assert np.any(residuals[0][0].numpy()) == (dense_below == 0)
 
 
 def test_non_gradient_reductions_pass_through():

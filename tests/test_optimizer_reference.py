@@ -65,7 +65,7 @@ def _run_distributed(strategy, inner_momentum=MOMENTUM, **opt_kwargs):
     return model, opt
 
 
-def _run_reference(n, mode, k=None, density=None, metric="l1"):
+def _run_reference(n, mode, k=None, density=None, metric="l1", dense_below=0):
     model = _model()
     layouts = tfbs.blocks.layouts_for(model.trainable_variables, model)
     weights = [w.numpy() for w in model.trainable_variables]
@@ -74,7 +74,7 @@ def _run_reference(n, mode, k=None, density=None, metric="l1"):
     for s in range(STEPS):
         grads = [_replica_grads(weights, *_data(s, r), n) for r in range(n)]
         updates, residuals, finite = ref.np_step(mode, grads, residuals, layouts, k, density,
-                                                 metric)
+                                                 metric, dense_below=dense_below)
         assert finite
         for i, g in enumerate(updates):
             weights[i], moms[i] = ref.np_sgd_momentum(weights[i], moms[i], g, LR, MOMENTUM)
@@ -137,3 +137,36 @@ def test_each_fusion_group_has_its_own_collectives(mirrored2):
     groups = plan_balanced(specs, 600, execution_order(len(specs))).groups
     assert len(groups) > 1
     assert len(gathers) == 2 * 2 * len(groups)  # 2 replicas x (ids, values) per group
+
+
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+def test_dense_below_sends_small_variables_whole(mirrored2, mode):
+    """dense_below=100: the 72-element conv kernel and every bias go whole (no residual),
+    the 320-element Dense kernel keeps one block; weights match the NumPy reference."""
+    model, opt = _run_distributed(mirrored2, exchange=mode, k=1, dense_below=100)
+    want_w, want_r = _run_reference(2, mode, k=1, dense_below=100)
+    for got, want in zip(model.trainable_variables, want_w):
+        np.testing.assert_allclose(got.value.values[0].numpy(), want, rtol=2e-5, atol=2e-6)
+    for var, residual, want in zip(model.trainable_variables, opt.residuals, want_r[1]):
+        got = residual.value.values[1].numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        assert np.any(got) == (int(np.prod(var.shape)) >= 100), var.path
+    assert opt.get_config()["dense_below"] == 100
+
+
+def test_dense_below_above_every_size_equals_dense_exchange(mirrored2):
+    model, _ = _run_distributed(mirrored2, exchange="allgather", k=1, dense_below=10**6)
+    dense, _ = _run_distributed(mirrored2, exchange="dense")
+    for a, b in zip(model.trainable_variables, dense.trainable_variables):
+        np.testing.assert_allclose(a.value.values[0].numpy(), b.value.values[0].numpy(),
+                                   rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
+def test_bad_dense_below_is_named(bad):
+    with pytest.raises(ValueError, match="dense_below"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), dense_below=bad)
+    with pytest.raises(ValueError, match="dense_below"):
+        tfbs.BlockSparseCrossDeviceOps(dense_below=bad)
+    with pytest.raises(ValueError, match="dense_below"):
+        tfbs.BlockTopK([], dense_below=bad)

@@ -39,7 +39,8 @@ def test_flags_parse_and_validate():
     for bad in (["--k=1", "--density=0.5"], ["--density=1.5"], ["--k=0"], ["--dataset=mnist"],
                 ["--model=resnet50"], ["--strategy=tpu"], ["--dataset=tfds:"],
                 ["--stop_at_accuracy=1.5"], ["--stop_at_accuracy=0.5", "--novalidate"],
-                ["--min_epochs=0"]):
+                ["--min_epochs=0"], ["--density_warmup=0"], ["--density_warmup=0.5,x"],
+                ["--density_warmup=1.5"]):
         with pytest.raises(flags.Error):
             _flag_values(*bad)
 
@@ -55,8 +56,10 @@ def test_helpfull_documents_every_flag():
 
 
 def test_two_worker_cluster_trains_and_writes_metrics(tmp_path):
+    """Also a density warm-up: every worker re-traces its step at the same epoch."""
     rc = run_local_cluster([*TRAIN, "--compression=block", "--k=1", "--epochs=3",
-                            f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300)
+                            "--density_warmup=0.5", f"--model_dir={tmp_path}"], 2, env=ENV,
+                           timeout_s=300)
     assert rc == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     for field in FIELDS:
@@ -66,6 +69,8 @@ def test_two_worker_cluster_trains_and_writes_metrics(tmp_path):
     assert val[-1] > val[0] and m["test_accuracy"] > 0.2, val
     assert m["payload_bytes_per_step"] * 20 < m["dense_bytes_per_step"]
     assert m["flags"]["compression"] == "block" and m["flags"]["k"] == 1
+    sent = m["history"]["payload_bytes"]
+    assert sent[0] > sent[1] == sent[2] == m["payload_bytes_per_step"], sent
 
 
 def test_cluster_stops_together_at_the_target_accuracy(tmp_path):

@@ -23,10 +23,11 @@ from tf_blocksparse.keras.callbacks import BlockSparseMetrics
 from tf_blocksparse.keras.hybrid_split import find_boundary, split_model
 from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 from tf_blocksparse.keras.profiler import profile_model
+from tf_blocksparse.keras.warmup import DensityWarmup
 
 __all__ = [
     "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseCrossDeviceOps",
-    "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "ElementTopK",
+    "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "DensityWarmup", "ElementTopK",
     "FusedCrossDeviceOps", "HybridTrainer", "MultiWorkerMirroredStrategy", "Payload",
     "PipelineTrainer",
     "block_table", "clipping", "find_boundary", "format_block_table", "planning",

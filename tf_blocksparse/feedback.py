@@ -45,6 +45,19 @@ def validate_k_density(k: int | None, density: float | None) -> tuple[int | None
     return 1, None
 
 
+def validate_dense_below(dense_below: int | None) -> int:
+    """Checks the small-variable threshold (elements); ``None`` means 0 (compress all).
+
+    Raises:
+      ValueError: Not an int >= 0.
+    """
+    if dense_below is None:
+        return 0
+    if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
+        raise ValueError(f"`dense_below` must be an int >= 0 (elements), got {dense_below!r}")
+    return dense_below
+
+
 @dataclasses.dataclass(frozen=True)
 class Payload:
     """What one replica sends: per variable, block ids [k_v] int32 and values [k_v, bs_v]."""
@@ -76,17 +89,23 @@ class BlockTopK:
       k: Blocks kept per variable (clipped to its block count).
       density: Alternatively, the fraction of blocks kept per variable.
       metric: ``"l1"`` or ``"l2"``.
+      dense_below: Variables with fewer than this many elements keep all their blocks
+        every step (sent whole, no residual), as DGC leaves small layers uncompressed;
+        0 (default) compresses every variable.
     """
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
-                 density: float | None = None, metric: str = "l1"):
+                 density: float | None = None, metric: str = "l1", dense_below: int = 0):
         if metric not in selection.METRICS:
             raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
         self.k, self.density = validate_k_density(k, density)
+        self.dense_below = validate_dense_below(dense_below)
         self.metric = metric
         self.layouts = tuple(layouts)
-        self.counts = tuple(selection.num_selected(lay.num_blocks, self.k, self.density)
-                            for lay in self.layouts)
+        self.counts = tuple(
+            lay.num_blocks if lay.size < self.dense_below
+            else selection.num_selected(lay.num_blocks, self.k, self.density)
+            for lay in self.layouts)
 
     def init(self, dtypes: Sequence[tf.DType] | None = None) -> tuple[tf.Tensor, ...]:
         """Zero residuals, one [*shape] tensor per variable."""
@@ -154,6 +173,6 @@ class ElementTopK(BlockTopK):
     """
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
-                 density: float | None = None, metric: str = "l1"):
+                 density: float | None = None, metric: str = "l1", dense_below: int = 0):
         super().__init__([dataclasses.replace(lay, rule=ELEMENT) for lay in layouts],
-                         k, density, metric)
+                         k, density, metric, dense_below)

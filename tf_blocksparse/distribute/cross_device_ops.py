@@ -33,7 +33,12 @@ import tensorflow as tf
 
 from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse.distribute.batches import is_gradient_batch
-from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
+from tf_blocksparse.feedback import (
+    BlockTopK,
+    ElementTopK,
+    validate_dense_below,
+    validate_k_density,
+)
 
 _SPARSE_EXCHANGES = ("allgather", "shared")
 
@@ -58,12 +63,16 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
       model: Optional Keras model whose ``trainable_variables`` the gradients belong to.
       block_rules: Optional ``{path regex: rule name}`` overrides.
       granularity: ``"block"`` or ``"element"`` (element-wise top-k baseline).
+      dense_below: Gradients with fewer elements than this are sent whole (see
+        ``BlockSparseOptimizer``); 0 compresses all.
     """
 
     def __init__(self, k: int | None = None, density: float | None = None,
                  metric: str = "l1", exchange: str = "allgather", model: Any = None,
-                 block_rules: Mapping[str, str] | None = None, granularity: str = "block"):
+                 block_rules: Mapping[str, str] | None = None, granularity: str = "block",
+                 dense_below: int = 0):
         self.k, self.density = validate_k_density(k, density)
+        self.dense_below = validate_dense_below(dense_below)
         if metric not in selection.METRICS:
             raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
         if exchange not in _SPARSE_EXCHANGES:
@@ -129,7 +138,7 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         dtypes = [v.values[0].dtype for v in values]
         layouts = self._layouts(shapes)
         comp_cls = ElementTopK if self.granularity == "element" else BlockTopK
-        comp = comp_cls(layouts, self.k, self.density, self.metric)
+        comp = comp_cls(layouts, self.k, self.density, self.metric, self.dense_below)
         state = self._state((tuple(devices), tuple(shapes)), devices, layouts, dtypes)
         prepared, flags = [], []
         for d, dev in enumerate(devices):

@@ -33,7 +33,7 @@ import tensorflow as tf
 from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse import exchange as exchange_lib
-from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.feedback import BlockTopK, validate_dense_below
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.optimizer_args import (
     GRANULARITIES,
@@ -91,6 +91,11 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         inner ``SGD(momentum=m)`` applies the source text's global momentum after the
         exchange, which with aggressive sparsification can release residuals late into a
         running velocity and oscillate; with ``exchange="dense"`` the two are the same math.
+      dense_below: Optional size in elements: variables smaller than this are sent whole
+        every step (all their blocks; no residual), as DGC leaves small layers
+        uncompressed.  E.g. a 10-class ``Dense`` kernel has only 10 blocks, so ``k`` or any
+        density below 10% would update one class per step.  Default: compress every
+        variable.
       name: Optimizer name.
     """
 
@@ -100,13 +105,15 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  block_rules: Mapping[str, str] | None = None, model: Any = None,
                  granularity: str = "block", fusion_buffer_bytes: int | None = None,
                  clipping: Any = None, momentum_correction: float | None = None,
-                 name: str | None = None, **kwargs: Any):
+                 dense_below: int | None = None, name: str | None = None, **kwargs: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
         k, density, rules, momentum_correction = validate_arguments(
             inner, k, density, metric, exchange, nonfinite, block_rules, granularity,
             fusion_buffer_bytes, clipping, momentum_correction, kwargs)
+        dense_below = validate_dense_below(dense_below)
         super().__init__(learning_rate=0.0, name=name)
+        self.dense_below = dense_below
         self.inner_optimizer = inner
         self.k, self.density = k, density
         self.metric = metric
@@ -259,7 +266,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor (of ``granularity``) over the variables with indices ``variables``."""
         return GRANULARITIES[self.granularity](
-            [self.layouts[i] for i in variables], self.k, self.density, self.metric)
+            [self.layouts[i] for i in variables], self.k, self.density, self.metric,
+            self.dense_below)
 
     def _mask_sent(self, us: Sequence[tf.Tensor], idx: Sequence[int],
                    sent_ids: Sequence[tf.Tensor] | None) -> list[tf.Tensor]:
@@ -355,6 +363,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             "fusion_buffer_bytes": self.fusion_buffer_bytes,
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
             "momentum_correction": self.momentum_correction,
+            "dense_below": self.dense_below,
         }
 
     @classmethod
