@@ -67,6 +67,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "momentum_correction=--momentum) instead of global momentum after "
                          "the exchange.  Dense is unaffected (the two are the same math).",
                          **fv)
+    flags.DEFINE_boolean("momentum_masking", True, "With --momentum_correction: zero the "
+                         "sent blocks in the local momentum (DGC factor masking); "
+                         "--nomomentum_masking keeps it whole (momentum SGD's total update, "
+                         "delayed).", **fv)
     flags.DEFINE_integer("dense_below", 0, "Sparse methods: variables with fewer elements "
                          "are sent whole every step (DGC leaves small layers uncompressed).",
                          lower_bound=0, **fv)

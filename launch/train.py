@@ -51,7 +51,8 @@ def make_strategy(name: str, num_devices: int):
 
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
                    exchange: str, lr: float, momentum: float,
-                   momentum_correction: bool = False, dense_below: int = 0):
+                   momentum_correction: bool = False, dense_below: int = 0,
+                   momentum_masking: bool = True):
     """SGD(momentum) inside the wrapper that ``--compression`` asks for.
 
     With ``momentum_correction`` the sparse methods keep the momentum per replica before
@@ -66,7 +67,8 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
                                          exchange="dense")
     local = momentum_correction and momentum > 0
     inner = keras.optimizers.SGD(lr, momentum=0.0 if local else momentum)
-    extra = {"momentum_correction": momentum} if local else {}
+    extra = ({"momentum_correction": momentum, "momentum_masking": momentum_masking}
+             if local else {})
     if dense_below:
         extra["dense_below"] = dense_below
     if compression == "topk":
@@ -183,7 +185,8 @@ def run(argv_flags=FLAGS) -> dict:
     with strategy.scope():
         model = registry.build_model(f.model, arrays.input_shape, arrays.num_classes, seed=f.seed)
         opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, f.lr,
-                             f.momentum, f.momentum_correction, f.dense_below)
+                             f.momentum, f.momentum_correction, f.dense_below,
+                             f.momentum_masking)
         if sequence:
             from models import nmt
             loss, metrics = nmt.masked_sparse_ce, [nmt.token_accuracy]

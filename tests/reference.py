@@ -182,13 +182,15 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                                residuals_per_replica: Sequence[Sequence[np.ndarray]],
                                velocities_per_replica: Sequence[Sequence[np.ndarray]],
                                layouts: Sequence[Any], momentum: float, k: int | None = None,
-                               density: float | None = None, metric: str = "l1"
+                               density: float | None = None, metric: str = "l1",
+                               masking: bool = True
                                ) -> tuple[list[np.ndarray], list[list[np.ndarray]],
                                           list[list[np.ndarray]], bool]:
     """DGC momentum correction + factor masking around :func:`np_step`.
 
     Per replica ``u = momentum * u + g``; ``u`` goes through error feedback, selection and
-    exchange in place of ``g``; the blocks a replica sent are zeroed in its ``u`` too.
+    exchange in place of ``g``; with ``masking`` the blocks a replica sent are zeroed in its
+    ``u`` too.
 
     Returns:
       ``(updates, new_residuals, new_velocities, finite)``.
@@ -199,7 +201,7 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
     sent: list = []
     updates, residuals, finite = np_step(mode, us, residuals_per_replica, layouts, k, density,
                                          metric, sent=sent)
-    if mode == "dense":
+    if mode == "dense" or not masking:
         return updates, residuals, us, finite
     velocities = [[np_zero_blocks(u, lay, ids) for u, lay, ids in zip(us_r, layouts, ids_r)]
                   for us_r, ids_r in zip(us, sent)]

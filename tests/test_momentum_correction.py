@@ -23,7 +23,7 @@ def _train(strategy, inner_momentum=0.0, **opt_kwargs):
     return _run_distributed(strategy, inner_momentum=inner_momentum, **opt_kwargs)
 
 
-def _reference(n, mode, k=None, density=None, granularity="block"):
+def _reference(n, mode, k=None, density=None, granularity="block", masking=True):
     model = _model()
     layouts = tfbs.blocks.layouts_for(model.trainable_variables, model)
     if granularity == "element":
@@ -34,7 +34,8 @@ def _reference(n, mode, k=None, density=None, granularity="block"):
     for s in range(STEPS):
         grads = [_replica_grads(weights, *_data(s, r), n) for r in range(n)]
         updates, residuals, velocities, finite = ref.np_momentum_corrected_step(
-            mode, grads, residuals, velocities, layouts, MOMENTUM, k, density)
+            mode, grads, residuals, velocities, layouts, MOMENTUM, k, density,
+            masking=masking)
         assert finite
         weights = [w - u * np.float32(LR) for w, u in zip(weights, updates)]
     return weights, residuals, velocities
@@ -42,11 +43,13 @@ def _reference(n, mode, k=None, density=None, granularity="block"):
 
 @pytest.mark.parametrize("mode,kwargs", [
     ("allgather", {"k": 1}), ("shared", {"density": 0.5}),
-    ("allgather", {"density": 0.2, "granularity": "element"})])
+    ("allgather", {"density": 0.2, "granularity": "element"}),
+    ("shared", {"k": 1, "masking": False})])
 def test_matches_numpy_reference(mirrored2, mode, kwargs):
-    model, opt = _train(mirrored2, exchange=mode,
-                        momentum_correction=MOMENTUM, **kwargs)
-    want_w, want_r, want_u = _reference(2, mode, **kwargs)
+    masking = kwargs.pop("masking", True)
+    model, opt = _train(mirrored2, exchange=mode, momentum_correction=MOMENTUM,
+                        momentum_masking=masking, **kwargs)
+    want_w, want_r, want_u = _reference(2, mode, masking=masking, **kwargs)
     for got, want in zip(model.trainable_variables, want_w):
         for replica_value in got.value.values:
             np.testing.assert_allclose(replica_value.numpy(), want, rtol=2e-5, atol=2e-6)
@@ -90,3 +93,26 @@ def test_config_round_trip_and_state_in_variables():
     plain = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1)
     plain.build(_model().trainable_variables)
     assert plain.velocities == []
+
+
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+def test_without_masking_density_one_is_momentum_sgd(mirrored2, mode):
+    """Every block sent every step and the momentum kept whole: global momentum SGD's
+    weights; with DGC's factor masking the momentum is lost instead (plain SGD)."""
+    unmasked, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM,
+                         momentum_masking=False)
+    plain, _ = _train(mirrored2, inner_momentum=MOMENTUM, exchange="dense")
+    masked, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM)
+    no_momentum, _ = _train(mirrored2, exchange="dense")
+    for a, b, c, d in zip(unmasked.trainable_variables, plain.trainable_variables,
+                          masked.trainable_variables, no_momentum.trainable_variables):
+        np.testing.assert_allclose(a.value.values[0].numpy(), b.value.values[0].numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(c.value.values[0].numpy(), d.value.values[0].numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_masking_must_be_a_bool():
+    with pytest.raises(ValueError, match="momentum_masking"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), momentum_correction=0.9,
+                                  momentum_masking="no")

@@ -91,6 +91,10 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         inner ``SGD(momentum=m)`` applies the source text's global momentum after the
         exchange, which with aggressive sparsification can release residuals late into a
         running velocity and oscillate; with ``exchange="dense"`` the two are the same math.
+      momentum_masking: With ``momentum_correction``, zero the sent blocks in the local
+        momentum too (DGC's factor masking, default).  ``False`` keeps the momentum whole:
+        every block then receives exactly momentum SGD's total update, only later (a block
+        sent every step trains as plain momentum SGD; with masking it loses its momentum).
       dense_below: Optional size in elements: variables smaller than this are sent whole
         every step (all their blocks; no residual), as DGC leaves small layers
         uncompressed.  E.g. a 10-class ``Dense`` kernel has only 10 blocks, so ``k`` or any
@@ -105,15 +109,19 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  block_rules: Mapping[str, str] | None = None, model: Any = None,
                  granularity: str = "block", fusion_buffer_bytes: int | None = None,
                  clipping: Any = None, momentum_correction: float | None = None,
-                 dense_below: int | None = None, name: str | None = None, **kwargs: Any):
+                 dense_below: int | None = None, momentum_masking: bool = True,
+                 name: str | None = None, **kwargs: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
         k, density, rules, momentum_correction = validate_arguments(
             inner, k, density, metric, exchange, nonfinite, block_rules, granularity,
             fusion_buffer_bytes, clipping, momentum_correction, kwargs)
         dense_below = validate_dense_below(dense_below)
+        if not isinstance(momentum_masking, bool):
+            raise ValueError(f"`momentum_masking` must be a bool, got {momentum_masking!r}")
         super().__init__(learning_rate=0.0, name=name)
         self.dense_below = dense_below
+        self.momentum_masking = momentum_masking
         self.inner_optimizer = inner
         self.k, self.density = k, density
         self.metric = metric
@@ -256,7 +264,9 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                 self.exchange, ctx, make_comp, grads, state, groups, self.metric)
             commits += list(zip(residuals, result.residuals))
         if velocities:  # factor masking: what a replica sent leaves its velocity too
-            commits += list(zip(velocities, self._mask_sent(grads, idx, result.sent_ids)))
+            kept = (self._mask_sent(grads, idx, result.sent_ids) if self.momentum_masking
+                    else grads)
+            commits += list(zip(velocities, kept))
         if commits:
             self._when_finite(result.finite,
                               lambda: tf.group([v.value.assign(s) for v, s in commits]))
@@ -363,7 +373,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             "fusion_buffer_bytes": self.fusion_buffer_bytes,
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
             "momentum_correction": self.momentum_correction,
-            "dense_below": self.dense_below,
+            "dense_below": self.dense_below, "momentum_masking": self.momentum_masking,
         }
 
     @classmethod
