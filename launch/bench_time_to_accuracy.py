@@ -60,6 +60,12 @@ def define_flags() -> None:
     flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
     flags.DEFINE_list("model_lr", ["vgg_fc=0.01"], "Per-model learning rates MODEL=LR "
                       "overriding --lr (vgg_fc has no normalisation; 0.05 oscillates).")
+    flags.DEFINE_list("sparse_model_lr", [], "Per-model MODEL=LR for the sparse methods only "
+                      "(their best from a sweep; dense keeps --lr / --model_lr).  With "
+                      "momentum correction a block sent every step loses its momentum, so "
+                      "sparse runs can take a larger rate than dense.")
+    flags.DEFINE_integer("dense_below", 0, "Sparse methods send variables with fewer "
+                         "elements whole (launch/train.py --dense_below).")
     flags.DEFINE_list("model_steps_per_epoch", [], "Per-model MODEL=STEPS overriding "
                       "--steps_per_epoch (e.g. resnet20=50: its BatchNorm statistics need "
                       "more steps before test accuracy means anything).")
@@ -118,7 +124,7 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
         t = experiments.time_to_target(r, target)
         out.append({
             "model": r["model"], "bandwidth_mbit": r["bandwidth_mbit"], "method": r["method"],
-            "target_accuracy": round(target, 4),
+            "target_accuracy": round(target, 4), "lr": r.get("flags", {}).get("lr"),
             "time_to_target_s": t, "final_accuracy": round(r["test_accuracy"], 4),
             "bytes_per_step": r["payload_bytes_per_step"],
             "dense_bytes_per_step": r["dense_bytes_per_step"],
@@ -142,6 +148,7 @@ def main(argv: list[str]) -> None:
                  "run it as root (CI is root).")
     f = FLAGS
     lrs = model_overrides("model_lr", f.model_lr, float)
+    sparse_lrs = model_overrides("sparse_model_lr", f.sparse_model_lr, float)
     steps = model_overrides("model_steps_per_epoch", f.model_steps_per_epoch, int)
     methods = ["dense"] + [m for m in f.methods if m != "dense"]
     common = {"num_workers": f.num_workers, "epochs_dense": f.epochs,
@@ -151,14 +158,20 @@ def main(argv: list[str]) -> None:
               "density": f.density, "latency_ms": f.latency_ms, "target_drop": f.target_drop,
               "momentum": 0.9, "momentum_correction": f.momentum_correction,
               "dataset": f.dataset}
+    if f.dense_below:
+        common["dense_below"] = f.dense_below
 
     def group_budget(model: str) -> dict:
-        return {**common, "lr": lrs.get(model, f.lr),
-                "steps_per_epoch": steps.get(model, f.steps_per_epoch)}
+        out = {**common, "lr": lrs.get(model, f.lr),
+               "steps_per_epoch": steps.get(model, f.steps_per_epoch)}
+        if model in sparse_lrs:
+            out["sparse_lr"] = sparse_lrs[model]
+        return out
 
     path = os.path.join(f.out, "time_to_accuracy.json")
-    doc = {"budget": {**common, "per_model": {m: {k: group_budget(m)[k] for k in
-                                                  ("lr", "steps_per_epoch")}
+    doc = {"budget": {**common, "per_model": {m: {k: v for k, v in group_budget(m).items()
+                                                  if k in ("lr", "sparse_lr",
+                                                           "steps_per_epoch")}
                                               for m in f.models}},
            "records": [], "runs": {}, "group_budgets": {},
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
@@ -184,12 +197,14 @@ def main(argv: list[str]) -> None:
                 flags_ = [f"--model={model}", f"--dataset={f.dataset}",
                           f"--steps_per_epoch={budget['steps_per_epoch']}",
                           f"--batch_size={f.batch_size}", f"--train_samples={f.train_samples}",
-                          f"--test_samples={f.test_samples}", f"--lr={budget['lr']}",
+                          f"--test_samples={f.test_samples}",
                           f"--momentum_correction={f.momentum_correction}", "--seed=0"]
                 if method == "dense":
-                    flags_.append(f"--epochs={f.epochs}")
+                    flags_ += [f"--epochs={f.epochs}", f"--lr={budget['lr']}"]
                 else:
-                    flags_.append(f"--epochs={f.epochs * f.sparse_epoch_factor}")
+                    flags_ += [f"--epochs={f.epochs * f.sparse_epoch_factor}",
+                               f"--lr={budget.get('sparse_lr', budget['lr'])}",
+                               f"--dense_below={f.dense_below}"]
                     if f.early_stop:
                         flags_ += [f"--stop_at_accuracy={target}", f"--min_epochs={f.epochs}"]
                 rec = experiments.run_training(

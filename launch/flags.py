@@ -67,10 +67,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "momentum_correction=--momentum) instead of global momentum after "
                          "the exchange.  Dense is unaffected (the two are the same math).",
                          **fv)
-    flags.DEFINE_boolean("momentum_masking", True, "With --momentum_correction: zero the "
-                         "sent blocks in the local momentum (DGC factor masking); "
-                         "--nomomentum_masking keeps it whole (momentum SGD's total update, "
-                         "delayed).", **fv)
+    flags.DEFINE_enum("momentum_masking", "all", ["all", "waited", "none"],
+                      "With --momentum_correction: which sent blocks leave the local momentum "
+                      "(all: DGC factor masking; waited: only blocks that had waited; none).",
+                      **fv)
     flags.DEFINE_integer("dense_below", 0, "Sparse methods: variables with fewer elements "
                          "are sent whole every step (DGC leaves small layers uncompressed).",
                          lower_bound=0, **fv)

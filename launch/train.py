@@ -52,7 +52,7 @@ def make_strategy(name: str, num_devices: int):
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
                    exchange: str, lr: float, momentum: float,
                    momentum_correction: bool = False, dense_below: int = 0,
-                   momentum_masking: bool = True):
+                   momentum_masking: str = "all"):
     """SGD(momentum) inside the wrapper that ``--compression`` asks for.
 
     With ``momentum_correction`` the sparse methods keep the momentum per replica before

@@ -183,14 +183,15 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                                velocities_per_replica: Sequence[Sequence[np.ndarray]],
                                layouts: Sequence[Any], momentum: float, k: int | None = None,
                                density: float | None = None, metric: str = "l1",
-                               masking: bool = True
+                               masking: str = "all"
                                ) -> tuple[list[np.ndarray], list[list[np.ndarray]],
                                           list[list[np.ndarray]], bool]:
     """DGC momentum correction + factor masking around :func:`np_step`.
 
     Per replica ``u = momentum * u + g``; ``u`` goes through error feedback, selection and
-    exchange in place of ``g``; with ``masking`` the blocks a replica sent are zeroed in its
-    ``u`` too.
+    exchange in place of ``g``; ``masking="all"`` zeroes the blocks a replica sent in its
+    ``u`` too, ``"waited"`` only those whose residual block was non-zero before the step,
+    ``"none"`` none.
 
     Returns:
       ``(updates, new_residuals, new_velocities, finite)``.
@@ -201,8 +202,13 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
     sent: list = []
     updates, residuals, finite = np_step(mode, us, residuals_per_replica, layouts, k, density,
                                          metric, sent=sent)
-    if mode == "dense" or not masking:
+    if mode == "dense" or masking == "none":
         return updates, residuals, us, finite
+    if masking == "waited":
+        sent = [[np.asarray([i for i in ids if np.any(np_view(np.asarray(r), lay)[:, i, :])],
+                            dtype=np.int64)
+                 for ids, lay, r in zip(ids_r, layouts, rs_r)]
+                for ids_r, rs_r in zip(sent, residuals_per_replica)]
     velocities = [[np_zero_blocks(u, lay, ids) for u, lay, ids in zip(us_r, layouts, ids_r)]
                   for us_r, ids_r in zip(us, sent)]
     return updates, residuals, velocities, finite

@@ -23,7 +23,7 @@ def _train(strategy, inner_momentum=0.0, **opt_kwargs):
     return _run_distributed(strategy, inner_momentum=inner_momentum, **opt_kwargs)
 
 
-def _reference(n, mode, k=None, density=None, granularity="block", masking=True):
+def _reference(n, mode, k=None, density=None, granularity="block", masking="all"):
     model = _model()
     layouts = tfbs.blocks.layouts_for(model.trainable_variables, model)
     if granularity == "element":
@@ -44,12 +44,17 @@ def _reference(n, mode, k=None, density=None, granularity="block", masking=True)
 @pytest.mark.parametrize("mode,kwargs", [
     ("allgather", {"k": 1}), ("shared", {"density": 0.5}),
     ("allgather", {"density": 0.2, "granularity": "element"}),
-    ("shared", {"k": 1, "masking": False})])
+    ("shared", {"k": 1, "masking": "none"}), ("allgather", {"k": 2, "masking": "waited"}),
+    ("shared", {"density": 0.5, "masking": "waited"})])
 def test_matches_numpy_reference(mirrored2, mode, kwargs):
-    masking = kwargs.pop("masking", True)
+    masking = kwargs.pop("masking", "all")
     model, opt = _train(mirrored2, exchange=mode, momentum_correction=MOMENTUM,
                         momentum_masking=masking, **kwargs)
     want_w, want_r, want_u = _reference(2, mode, masking=masking, **kwargs)
+    if masking == "waited":  # the case really keeps some momentum DGC's masking drops
+        dgc_u = _reference(2, mode, masking="all", **kwargs)[2]
+        assert any(not np.array_equal(a, b) for ra, rb in zip(want_u, dgc_u)
+                   for a, b in zip(ra, rb))
     for got, want in zip(model.trainable_variables, want_w):
         for replica_value in got.value.values:
             np.testing.assert_allclose(replica_value.numpy(), want, rtol=2e-5, atol=2e-6)
@@ -100,7 +105,7 @@ def test_without_masking_density_one_is_momentum_sgd(mirrored2, mode):
     """Every block sent every step and the momentum kept whole: global momentum SGD's
     weights; with DGC's factor masking the momentum is lost instead (plain SGD)."""
     unmasked, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM,
-                         momentum_masking=False)
+                         momentum_masking="none")
     plain, _ = _train(mirrored2, inner_momentum=MOMENTUM, exchange="dense")
     masked, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM)
     no_momentum, _ = _train(mirrored2, exchange="dense")
@@ -112,7 +117,19 @@ def test_without_masking_density_one_is_momentum_sgd(mirrored2, mode):
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_momentum_masking_must_be_a_bool():
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+def test_waited_masking_at_density_one_is_momentum_sgd(mirrored2, mode):
+    """Every block is sent every step, none ever waits: nothing is masked."""
+    waited, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM,
+                       momentum_masking="waited")
+    plain, _ = _train(mirrored2, inner_momentum=MOMENTUM, exchange="dense")
+    for a, b in zip(waited.trainable_variables, plain.trainable_variables):
+        np.testing.assert_allclose(a.value.values[0].numpy(), b.value.values[0].numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", ["no", True, None])
+def test_momentum_masking_is_named(bad):
     with pytest.raises(ValueError, match="momentum_masking"):
         tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), momentum_correction=0.9,
-                                  momentum_masking="no")
+                                  momentum_masking=bad)

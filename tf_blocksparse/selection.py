@@ -147,6 +147,18 @@ def scatter_blocks(values: tf.Tensor, ids: tf.Tensor, layout: BlockLayout) -> tf
     return tf.reshape(dense, layout.shape)
 
 
+def blocks_hit(ids: tf.Tensor, layout: BlockLayout) -> tf.Tensor:
+    """[num_blocks] bool: true at the block ids ``ids`` [k]."""
+    return tf.math.unsorted_segment_max(tf.ones_like(ids), ids, layout.num_blocks) > 0
+
+
+def zero_blocks_where(x: tf.Tensor, layout: BlockLayout, zero: tf.Tensor) -> tf.Tensor:
+    """Returns ``x`` [*shape] with every block where ``zero`` [num_blocks] bool is true set
+    to zero (others bit-exact)."""
+    keep = tf.reshape(tf.logical_not(zero), (1, layout.num_blocks, 1))
+    return tf.reshape(tf.where(keep, view(x, layout), tf.zeros((), x.dtype)), layout.shape)
+
+
 def zero_blocks(x: tf.Tensor, layout: BlockLayout, ids: tf.Tensor,
                 flat_indices: tf.Tensor | None = None) -> tf.Tensor:
     """Returns ``x`` [*shape] with the blocks ``ids`` [k] set to zero (others bit-exact).
@@ -156,9 +168,7 @@ def zero_blocks(x: tf.Tensor, layout: BlockLayout, ids: tf.Tensor,
     cheaper.  ``flat_indices`` may pass :func:`block_flat_indices` already computed.
     """
     if 4 * ids.shape[0] > layout.num_blocks:
-        hit = tf.math.unsorted_segment_max(tf.ones_like(ids), ids, layout.num_blocks) > 0
-        keep = tf.reshape(tf.logical_not(hit), (1, layout.num_blocks, 1))
-        return tf.reshape(tf.where(keep, view(x, layout), tf.zeros((), x.dtype)), layout.shape)
+        return zero_blocks_where(x, layout, blocks_hit(ids, layout))
     if flat_indices is None:
         flat_indices = block_flat_indices(ids, layout)
     idx = tf.reshape(flat_indices, (-1, 1))

@@ -50,6 +50,7 @@ from tf_blocksparse.unitwise import layout_unit_axes
 __all__ = ["BlockSparseOptimizer", "GRANULARITIES", "NONFINITE", "STAT_NAMES",
            "discover_owners"]
 
+MASKINGS = ("all", "waited", "none")
 STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps")
 
 
@@ -91,10 +92,13 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         inner ``SGD(momentum=m)`` applies the source text's global momentum after the
         exchange, which with aggressive sparsification can release residuals late into a
         running velocity and oscillate; with ``exchange="dense"`` the two are the same math.
-      momentum_masking: With ``momentum_correction``, zero the sent blocks in the local
-        momentum too (DGC's factor masking, default).  ``False`` keeps the momentum whole:
-        every block then receives exactly momentum SGD's total update, only later (a block
-        sent every step trains as plain momentum SGD; with masking it loses its momentum).
+      momentum_masking: With ``momentum_correction``, which sent blocks are zeroed in the
+        local momentum: ``"all"`` (DGC's factor masking, default); ``"none"`` keeps the
+        momentum whole (every block receives momentum SGD's total update, only later; a
+        block sent every step trains as plain momentum SGD, whereas ``"all"`` takes its
+        momentum away); ``"waited"`` zeroes only blocks that had waited (a non-zero
+        residual before this step), so blocks sent step after step keep their momentum
+        and a block released after a wait does not carry its burst on.
       dense_below: Optional size in elements: variables smaller than this are sent whole
         every step (all their blocks; no residual), as DGC leaves small layers
         uncompressed.  E.g. a 10-class ``Dense`` kernel has only 10 blocks, so ``k`` or any
@@ -109,7 +113,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  block_rules: Mapping[str, str] | None = None, model: Any = None,
                  granularity: str = "block", fusion_buffer_bytes: int | None = None,
                  clipping: Any = None, momentum_correction: float | None = None,
-                 dense_below: int | None = None, momentum_masking: bool = True,
+                 dense_below: int | None = None, momentum_masking: str = "all",
                  name: str | None = None, **kwargs: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
@@ -117,8 +121,9 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             inner, k, density, metric, exchange, nonfinite, block_rules, granularity,
             fusion_buffer_bytes, clipping, momentum_correction, kwargs)
         dense_below = validate_dense_below(dense_below)
-        if not isinstance(momentum_masking, bool):
-            raise ValueError(f"`momentum_masking` must be a bool, got {momentum_masking!r}")
+        if momentum_masking not in MASKINGS:
+            raise ValueError(f"`momentum_masking` must be one of {MASKINGS}, got "
+                             f"{momentum_masking!r}")
         super().__init__(learning_rate=0.0, name=name)
         self.dense_below = dense_below
         self.momentum_masking = momentum_masking
@@ -251,6 +256,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             grads = [tf.cast(m, g.dtype) * tf.convert_to_tensor(u.value) + g
                      for u, g in zip(velocities, grads)]
         groups = self._fusion_groups(grads, idx)
+        state = None
         if self.exchange == "dense":
             result = exchange_lib.run_grouped_exchange(
                 "dense", ctx, lambda g: None, grads, None, groups, self.metric)
@@ -264,8 +270,9 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                 self.exchange, ctx, make_comp, grads, state, groups, self.metric)
             commits += list(zip(residuals, result.residuals))
         if velocities:  # factor masking: what a replica sent leaves its velocity too
-            kept = (self._mask_sent(grads, idx, result.sent_ids) if self.momentum_masking
-                    else grads)
+            waited = state if self.momentum_masking == "waited" else None
+            kept = (grads if self.momentum_masking == "none"
+                    else self._mask_sent(grads, idx, result.sent_ids, waited))
             commits += list(zip(velocities, kept))
         if commits:
             self._when_finite(result.finite,
@@ -280,12 +287,21 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             self.dense_below)
 
     def _mask_sent(self, us: Sequence[tf.Tensor], idx: Sequence[int],
-                   sent_ids: Sequence[tf.Tensor] | None) -> list[tf.Tensor]:
-        """``us`` [*shape] with the blocks each replica sent (``sent_ids`` [k_v]) zeroed."""
+                   sent_ids: Sequence[tf.Tensor] | None,
+                   residuals: Sequence[tf.Tensor] | None = None) -> list[tf.Tensor]:
+        """``us`` [*shape] with the blocks each replica sent (``sent_ids`` [k_v]) zeroed;
+        with ``residuals`` (the residuals before this step) only those whose residual block
+        was non-zero."""
         if sent_ids is None:  # dense: everything was sent, the velocity carries on whole
             return list(us)
-        return [selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
-                for u, lay, ids in zip(us, self._compressor(idx).layouts, sent_ids)]
+        layouts = self._compressor(idx).layouts
+        if residuals is None:
+            return [selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
+                    for u, lay, ids in zip(us, layouts, sent_ids)]
+        return [selection.zero_blocks_where(
+                    u, lay, selection.blocks_hit(ids, lay) &
+                    (selection.block_scores(r, lay, "l1") > 0))
+                for u, lay, ids, r in zip(us, layouts, sent_ids, residuals)]
 
     def _fusion_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
                        ) -> list[list[int]]:
