@@ -25,8 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import experiments  # noqa: E402
 
 FLAGS = flags.FLAGS
-CONV_METHODS = {"dense": ("dense", None), "block_k1": ("block_k1", None),
-                "block_1pct": ("block_allgather", 0.01), "topk_1pct": ("topk", 0.01)}
+#: name -> (launch/experiments method, density, extra launch/train.py flags)
+CONV_METHODS = {"dense": ("dense", None, ()), "block_k1": ("block_k1", None, ()),
+                "block_1pct": ("block_allgather", 0.01, ()), "topk_1pct": ("topk", 0.01, ()),
+                "block_k1_waited": ("block_k1", None, ("--momentum_masking=waited",))}
 TARGET_POINTS = 0.003
 
 
@@ -35,7 +37,8 @@ def define_flags() -> None:
     flags.DEFINE_string("model", "cnn_small", "Model run with every seed.")
     flags.DEFINE_string("extra_model", "resnet20", "Model run once with seed 0 ('' to skip).")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds for --model.")
-    flags.DEFINE_list("methods", list(CONV_METHODS), "Methods.")
+    flags.DEFINE_list("methods", ["dense", "block_k1", "block_1pct", "topk_1pct"],
+                      f"Methods, of {sorted(CONV_METHODS)}.")
     flags.DEFINE_integer("num_workers", 4, "Worker processes.")
     flags.DEFINE_integer("epochs", 3, "Epochs (the same budget for every method).")
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full pass).")
@@ -48,6 +51,9 @@ def define_flags() -> None:
                          "worker before the exchange (DGC); dense uses global momentum.")
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
+    flags.DEFINE_boolean("resume", False, "Keep the rows (model x method) of "
+                         "OUT/convergence.json with the same budget that this run does not "
+                         "compute (e.g. add a method).")
 
 
 def same_as_k1(model: str, density: float, input_shape: tuple[int, ...] = (28, 28, 1),
@@ -120,11 +126,27 @@ def main(argv: list[str]) -> None:
     for name in f.methods:
         if name not in CONV_METHODS:
             raise app.UsageError(f"--methods: unknown {name!r}")
-    rows = []
+    budget = {"num_workers": f.num_workers, "epochs": f.epochs,
+              "steps_per_epoch": f.steps_per_epoch or "full pass",
+              "extra_steps_per_epoch": f.extra_steps_per_epoch or f.steps_per_epoch or
+              "full pass", "global_batch": f.batch_size,
+              "train_samples": f.train_samples or "all", "test_samples": f.test_samples or "all",
+              "lr": f.lr, "momentum": 0.9, "momentum_correction": f.momentum_correction}
+    path = os.path.join(f.out, "convergence.json")
+    old_rows = []
+    if f.resume and os.path.exists(path):
+        with open(path) as fh:
+            old = json.load(fh)
+        if old.get("budget") == budget:
+            computed = {(m, name) for m, _, _ in plans for name in f.methods}
+            old_rows = [r for r in old["records"] if (r["model"], r["method"]) not in computed]
+        else:
+            print(f"{path}: another budget, nothing kept", flush=True)
+    rows = list(old_rows)
     for model, seeds, steps in plans:
         done: dict[str, dict] = {}
         for name in f.methods:
-            method, density = CONV_METHODS[name]
+            method, density, extra = CONV_METHODS[name]
             if (name == "block_1pct" and "block_k1" in done
                     and same_as_k1(model, density)):  # the identical run, not repeated
                 rows.append({**done["block_k1"], "method": name,
@@ -136,7 +158,7 @@ def main(argv: list[str]) -> None:
             for seed in seeds:
                 rec = experiments.run_training(
                     method, [f"--model={model}", f"--seed={seed}",
-                             f"--steps_per_epoch={steps}", *common],
+                             f"--steps_per_epoch={steps}", *common, *extra],
                     f.num_workers, density or 0.01)
                 recs.append(rec)
                 print(json.dumps({"model": model, "method": name, "seed": seed,
@@ -148,14 +170,12 @@ def main(argv: list[str]) -> None:
         if r["model"] in dense:
             r["gap_to_dense_points"] = round(100 * (dense[r["model"]] - r["mean"]), 2)
             r["within_0_3_points"] = dense[r["model"]] - r["mean"] <= TARGET_POINTS
-    doc = {"budget": {"num_workers": f.num_workers, "epochs": f.epochs,
-                      "steps_per_epoch": f.steps_per_epoch or "full pass",
-                      "global_batch": f.batch_size, "train_samples": f.train_samples or "all",
-                      "test_samples": f.test_samples or "all", "lr": f.lr,
-                      "momentum": 0.9, "momentum_correction": f.momentum_correction},
-           "records": rows, "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
+    order = list(CONV_METHODS)
+    rows.sort(key=lambda r: (r["model"] != f.model, r["model"], order.index(r["method"])))
+    doc = {"budget": budget, "records": rows,
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
     os.makedirs(f.out, exist_ok=True)
-    with open(os.path.join(f.out, "convergence.json"), "w") as fh:
+    with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
     _plot(rows, os.path.join(f.out, "convergence.png"),
           f"{f.num_workers} workers, {f.epochs} epochs, mean +- std over seeds")

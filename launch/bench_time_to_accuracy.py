@@ -64,6 +64,9 @@ def define_flags() -> None:
                       "(their best from a sweep; dense keeps --lr / --model_lr).  With "
                       "momentum correction a block sent every step loses its momentum, so "
                       "sparse runs can take a larger rate than dense.")
+    flags.DEFINE_enum("momentum_masking", "all", ["all", "waited", "none"], "Sparse methods "
+                      "with --momentum_correction: which sent blocks leave the local momentum "
+                      "(launch/train.py --momentum_masking).")
     flags.DEFINE_integer("dense_below", 0, "Sparse methods send variables with fewer "
                          "elements whole (launch/train.py --dense_below).")
     flags.DEFINE_list("model_steps_per_epoch", [], "Per-model MODEL=STEPS overriding "
@@ -76,7 +79,9 @@ def define_flags() -> None:
                          "after at least the dense run's epochs (their final accuracy is then "
                          "taken at >= as many steps as dense's).")
     flags.DEFINE_boolean("resume", False, "Keep the groups (model x bandwidth) already in "
-                         "OUT/time_to_accuracy.json with the same budget; run the rest.")
+                         "OUT/time_to_accuracy.json with the same budget, and those of models "
+                         "not in --models (each group keeps its budget in group_budgets); run "
+                         "the rest.")
     flags.DEFINE_float("target_drop", 0.003, "Target = dense final accuracy minus this.")
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
@@ -125,6 +130,8 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
         out.append({
             "model": r["model"], "bandwidth_mbit": r["bandwidth_mbit"], "method": r["method"],
             "target_accuracy": round(target, 4), "lr": r.get("flags", {}).get("lr"),
+            "momentum_masking": (None if r["method"] == "dense"
+                                 else r.get("flags", {}).get("momentum_masking")),
             "time_to_target_s": t, "final_accuracy": round(r["test_accuracy"], 4),
             "bytes_per_step": r["payload_bytes_per_step"],
             "dense_bytes_per_step": r["dense_bytes_per_step"],
@@ -157,7 +164,7 @@ def main(argv: list[str]) -> None:
               "train_samples": f.train_samples or "all", "test_samples": f.test_samples,
               "density": f.density, "latency_ms": f.latency_ms, "target_drop": f.target_drop,
               "momentum": 0.9, "momentum_correction": f.momentum_correction,
-              "dataset": f.dataset}
+              "momentum_masking": f.momentum_masking, "dataset": f.dataset}
     if f.dense_below:
         common["dense_below"] = f.dense_below
 
@@ -180,10 +187,17 @@ def main(argv: list[str]) -> None:
             old = json.load(fh)
         for key, budget in old.get("group_budgets", {}).items():
             model = key.split(" @ ")[0]
-            if model in f.models and budget == group_budget(model):
+            if model not in f.models or budget == group_budget(model):
                 doc["runs"][key], doc["group_budgets"][key] = old["runs"][key], budget
-                doc["records"] += [r for r in old["records"]
-                                   if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" == key]
+                kept = [r for r in old["records"]
+                        if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" == key]
+                for r in kept:  # files from before these fields: one lr, DGC masking
+                    r.setdefault("lr", budget["lr"])
+                    r.setdefault("momentum_masking", None if r["method"] == "dense" else
+                                 budget.get("momentum_masking", "all"))
+                doc["records"] += kept
+                if model not in f.models and model in old["budget"].get("per_model", {}):
+                    doc["budget"]["per_model"][model] = old["budget"]["per_model"][model]
     os.makedirs(f.out, exist_ok=True)
     for model in f.models:
         budget = group_budget(model)
@@ -204,7 +218,8 @@ def main(argv: list[str]) -> None:
                 else:
                     flags_ += [f"--epochs={f.epochs * f.sparse_epoch_factor}",
                                f"--lr={budget.get('sparse_lr', budget['lr'])}",
-                               f"--dense_below={f.dense_below}"]
+                               f"--dense_below={f.dense_below}",
+                               f"--momentum_masking={f.momentum_masking}"]
                     if f.early_stop:
                         flags_ += [f"--stop_at_accuracy={target}", f"--min_epochs={f.epochs}"]
                 rec = experiments.run_training(

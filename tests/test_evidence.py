@@ -65,6 +65,13 @@ def test_convergence_end_to_end_schema(tmp_path):
         assert 0.0 <= r["mean"] <= 1.0 and r["bytes_per_step"] > 0
         assert isinstance(r["within_0_3_points"], bool)
     assert (tmp_path / "convergence.png").stat().st_size > 0
+    # --resume adds a method and keeps the rows of the same budget
+    subprocess.run([*cmd[:-1], "--methods=block_k1_waited", "--resume", f"--out={tmp_path}"],
+                   check=True, timeout=600, cwd=ROOT, capture_output=True)
+    again = json.loads((tmp_path / "convergence.json").read_text())
+    assert [r["method"] for r in again["records"]] == ["dense", "block_k1", "block_k1_waited"]
+    assert again["records"][:2] == doc["records"]
+    assert "gap_to_dense_points" in again["records"][2]
 
 
 @pytest.mark.slow
@@ -73,10 +80,12 @@ def test_time_to_accuracy_end_to_end_schema(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_time_to_accuracy.py"),
            "--num_workers=2", "--dataset=digits", "--models=cnn_small", "--bandwidths_mbit=100",
            "--methods=dense,block_allgather", "--epochs=2", "--steps_per_epoch=5",
-           "--density=0.05", f"--out={tmp_path}"]
+           "--density=0.05", "--momentum_masking=waited", f"--out={tmp_path}"]
     subprocess.run(cmd, check=True, timeout=600, cwd=ROOT, capture_output=True)
     doc = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     assert len(doc["records"]) == 2 and doc["budget"]["num_workers"] == 2
     for r in doc["records"]:
         assert r["bandwidth_mbit"] == 100.0 and r["bytes_per_step"] > 0
+        assert r["lr"] == 0.05
+        assert r["momentum_masking"] == (None if r["method"] == "dense" else "waited")
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0

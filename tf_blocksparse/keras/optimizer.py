@@ -30,10 +30,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import blocks, codec, selection
+from tf_blocksparse import blocks, codec
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse import exchange as exchange_lib
 from tf_blocksparse.feedback import BlockTopK, validate_dense_below
+from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.optimizer_args import (
     GRANULARITIES,
@@ -50,7 +51,6 @@ from tf_blocksparse.unitwise import layout_unit_axes
 __all__ = ["BlockSparseOptimizer", "GRANULARITIES", "NONFINITE", "STAT_NAMES",
            "discover_owners"]
 
-MASKINGS = ("all", "waited", "none")
 STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps")
 
 
@@ -121,8 +121,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             inner, k, density, metric, exchange, nonfinite, block_rules, granularity,
             fusion_buffer_bytes, clipping, momentum_correction, kwargs)
         dense_below = validate_dense_below(dense_below)
-        if momentum_masking not in MASKINGS:
-            raise ValueError(f"`momentum_masking` must be one of {MASKINGS}, got "
+        if momentum_masking not in step.MASKINGS:
+            raise ValueError(f"`momentum_masking` must be one of {step.MASKINGS}, got "
                              f"{momentum_masking!r}")
         super().__init__(learning_rate=0.0, name=name)
         self.dense_below = dense_below
@@ -289,19 +289,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
     def _mask_sent(self, us: Sequence[tf.Tensor], idx: Sequence[int],
                    sent_ids: Sequence[tf.Tensor] | None,
                    residuals: Sequence[tf.Tensor] | None = None) -> list[tf.Tensor]:
-        """``us`` [*shape] with the blocks each replica sent (``sent_ids`` [k_v]) zeroed;
-        with ``residuals`` (the residuals before this step) only those whose residual block
-        was non-zero."""
-        if sent_ids is None:  # dense: everything was sent, the velocity carries on whole
-            return list(us)
-        layouts = self._compressor(idx).layouts
-        if residuals is None:
-            return [selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
-                    for u, lay, ids in zip(us, layouts, sent_ids)]
-        return [selection.zero_blocks_where(
-                    u, lay, selection.blocks_hit(ids, lay) &
-                    (selection.block_scores(r, lay, "l1") > 0))
-                for u, lay, ids, r in zip(us, layouts, sent_ids, residuals)]
+        return step.mask_sent(us, self._compressor(idx).layouts, sent_ids, residuals)
 
     def _fusion_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
                        ) -> list[list[int]]:
@@ -330,40 +318,14 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         return self._plan(specs, range(len(specs)))
 
     def _when_finite(self, finite: tf.Tensor, fn: Any) -> None:
-        if self.nonfinite == "apply":
-            fn()
-        else:
-            tf.cond(finite, fn, tf.no_op)
+        step.when_finite(self.nonfinite, finite, fn)
 
     def _record(self, result: exchange_lib.ExchangeResult) -> None:
-        old = tf.convert_to_tensor(self._stats.value)
-        skipped = old[4] + tf.cast(tf.logical_not(result.finite), tf.float32)
-        self._stats.value.assign(tf.stack([
-            tf.constant(float(result.payload_bytes)), tf.constant(float(result.dense_bytes)),
-            tf.constant(float(result.blocks_kept)), tf.cast(result.residual_norm, tf.float32),
-            skipped]))
+        step.record_stats(self._stats, result)
 
     def _apply_inner(self, updates: Sequence[tf.Tensor], tvs: Sequence[Any],
                      finite: tf.Tensor) -> None:
-        inner = self.inner_optimizer
-        if self.nonfinite == "apply":
-            inner.apply(list(updates), tvs)
-            return
-        if not tf.distribute.has_strategy() or \
-                tf.__internal__.distribute.strategy_supports_no_merge_call():
-            tf.cond(finite, lambda: inner.apply(list(updates), tvs), lambda: None)
-            return
-
-        def cross_replica(distribution: Any, updates: Any, finite: Any) -> None:
-            flag = distribution.experimental_local_results(finite)[0]
-
-            def apply_fn() -> None:
-                distribution.extended.call_for_each_replica(inner.apply, args=(updates, tvs))
-
-            tf.cond(flag, apply_fn, lambda: None)
-
-        tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(list(updates), finite))
+        step.apply_inner(self.inner_optimizer, self.nonfinite, updates, tvs, finite)
 
     # -- observability -------------------------------------------------------------------
     def block_sparse_metrics(self) -> dict[str, float]:
