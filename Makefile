@@ -74,7 +74,8 @@ bench-full: venv data
 	$(PY) launch/bench_convergence.py --epochs=3 --train_samples=0 --test_samples=0 \
 		--extra_steps_per_epoch=200 --out=benchmarks/results
 	$(PY) launch/bench_convergence.py --epochs=3 --train_samples=0 --test_samples=0 \
-		--extra_steps_per_epoch=200 --methods=block_k1_waited --resume --out=benchmarks/results
+		--extra_steps_per_epoch=200 --methods=block_k1_waited,block_k1_small_dense --resume \
+		--out=benchmarks/results
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) launch/bench_time_to_accuracy.py --models=resnet20 \
 			--bandwidths_mbit=100,1000 --epochs=8 --model_steps_per_epoch=resnet20=50 \

@@ -28,7 +28,8 @@ FLAGS = flags.FLAGS
 #: name -> (launch/experiments method, density, extra launch/train.py flags)
 CONV_METHODS = {"dense": ("dense", None, ()), "block_k1": ("block_k1", None, ()),
                 "block_1pct": ("block_allgather", 0.01, ()), "topk_1pct": ("topk", 0.01, ()),
-                "block_k1_waited": ("block_k1", None, ("--momentum_masking=waited",))}
+                "block_k1_waited": ("block_k1", None, ("--momentum_masking=waited",)),
+                "block_k1_small_dense": ("block_k1", None, ("--dense_below=1024",))}
 TARGET_POINTS = 0.003
 
 
