@@ -60,10 +60,6 @@ def define_flags() -> None:
     flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
     flags.DEFINE_list("model_lr", ["vgg_fc=0.01"], "Per-model learning rates MODEL=LR "
                       "overriding --lr (vgg_fc has no normalisation; 0.05 oscillates).")
-    flags.DEFINE_list("sparse_model_lr", [], "Per-model MODEL=LR for the sparse methods only "
-                      "(their best from a sweep; dense keeps --lr / --model_lr).  With "
-                      "momentum correction a block sent every step loses its momentum, so "
-                      "sparse runs can take a larger rate than dense.")
     flags.DEFINE_enum("momentum_masking", "all", ["all", "waited", "none"], "Sparse methods "
                       "with --momentum_correction: which sent blocks leave the local momentum "
                       "(launch/train.py --momentum_masking).")
@@ -155,7 +151,6 @@ def main(argv: list[str]) -> None:
                  "run it as root (CI is root).")
     f = FLAGS
     lrs = model_overrides("model_lr", f.model_lr, float)
-    sparse_lrs = model_overrides("sparse_model_lr", f.sparse_model_lr, float)
     steps = model_overrides("model_steps_per_epoch", f.model_steps_per_epoch, int)
     methods = ["dense"] + [m for m in f.methods if m != "dense"]
     common = {"num_workers": f.num_workers, "epochs_dense": f.epochs,
@@ -169,16 +164,12 @@ def main(argv: list[str]) -> None:
         common["dense_below"] = f.dense_below
 
     def group_budget(model: str) -> dict:
-        out = {**common, "lr": lrs.get(model, f.lr),
-               "steps_per_epoch": steps.get(model, f.steps_per_epoch)}
-        if model in sparse_lrs:
-            out["sparse_lr"] = sparse_lrs[model]
-        return out
+        return {**common, "lr": lrs.get(model, f.lr),
+                "steps_per_epoch": steps.get(model, f.steps_per_epoch)}
 
     path = os.path.join(f.out, "time_to_accuracy.json")
-    doc = {"budget": {**common, "per_model": {m: {k: v for k, v in group_budget(m).items()
-                                                  if k in ("lr", "sparse_lr",
-                                                           "steps_per_epoch")}
+    doc = {"budget": {**common, "per_model": {m: {k: group_budget(m)[k] for k in
+                                                  ("lr", "steps_per_epoch")}
                                               for m in f.models}},
            "records": [], "runs": {}, "group_budgets": {},
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
@@ -211,13 +202,12 @@ def main(argv: list[str]) -> None:
                 flags_ = [f"--model={model}", f"--dataset={f.dataset}",
                           f"--steps_per_epoch={budget['steps_per_epoch']}",
                           f"--batch_size={f.batch_size}", f"--train_samples={f.train_samples}",
-                          f"--test_samples={f.test_samples}",
+                          f"--test_samples={f.test_samples}", f"--lr={budget['lr']}",
                           f"--momentum_correction={f.momentum_correction}", "--seed=0"]
                 if method == "dense":
-                    flags_ += [f"--epochs={f.epochs}", f"--lr={budget['lr']}"]
+                    flags_.append(f"--epochs={f.epochs}")
                 else:
                     flags_ += [f"--epochs={f.epochs * f.sparse_epoch_factor}",
-                               f"--lr={budget.get('sparse_lr', budget['lr'])}",
                                f"--dense_below={f.dense_below}",
                                f"--momentum_masking={f.momentum_masking}"]
                     if f.early_stop:

@@ -33,7 +33,7 @@ import tensorflow as tf
 from tf_blocksparse import blocks, codec
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse import exchange as exchange_lib
-from tf_blocksparse.feedback import BlockTopK, validate_dense_below
+from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.optimizer_args import (
@@ -117,13 +117,10 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  name: str | None = None, **kwargs: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
-        k, density, rules, momentum_correction = validate_arguments(
+        k, density, rules, momentum_correction, dense_below = validate_arguments(
             inner, k, density, metric, exchange, nonfinite, block_rules, granularity,
-            fusion_buffer_bytes, clipping, momentum_correction, kwargs)
-        dense_below = validate_dense_below(dense_below)
-        if momentum_masking not in step.MASKINGS:
-            raise ValueError(f"`momentum_masking` must be one of {step.MASKINGS}, got "
-                             f"{momentum_masking!r}")
+            fusion_buffer_bytes, clipping, momentum_correction, dense_below, momentum_masking,
+            kwargs)
         super().__init__(learning_rate=0.0, name=name)
         self.dense_below = dense_below
         self.momentum_masking = momentum_masking

@@ -12,7 +12,13 @@ import tensorflow as tf
 from tf_blocksparse import blocks, selection
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse import exchange as exchange_lib
-from tf_blocksparse.feedback import BlockTopK, ElementTopK, validate_k_density
+from tf_blocksparse.feedback import (
+    BlockTopK,
+    ElementTopK,
+    validate_dense_below,
+    validate_k_density,
+)
+from tf_blocksparse.keras.optimizer_step import MASKINGS
 
 NONFINITE = ("skip", "apply")
 GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
@@ -69,11 +75,12 @@ def check_momentum_correction(value: Any, inner: keras.optimizers.Optimizer
 def validate_arguments(inner: Any, k: Any, density: Any, metric: Any, exchange: Any,
                        nonfinite: Any, block_rules: Any, granularity: Any,
                        fusion_buffer_bytes: Any, clipping: Any, momentum_correction: Any,
-                       kwargs: dict[str, Any]) -> tuple[Any, Any, list, float | None]:
+                       dense_below: Any, momentum_masking: Any, kwargs: dict[str, Any]
+                       ) -> tuple[Any, Any, list, float | None, int]:
     """Checks ``BlockSparseOptimizer``'s arguments before anything is built.
 
     Returns:
-      ``(k, density, clipping rules, momentum_correction)`` normalised.
+      ``(k, density, clipping rules, momentum_correction, dense_below)`` normalised.
 
     Raises:
       TypeError / ValueError naming the argument.
@@ -103,8 +110,12 @@ def validate_arguments(inner: Any, k: Any, density: Any, metric: Any, exchange: 
         blocks._as_rule(rule, "block_rules")
     rules = clipping_lib.as_rules(clipping)
     momentum_correction = check_momentum_correction(momentum_correction, inner)
+    dense_below = validate_dense_below(dense_below)
+    if momentum_masking not in MASKINGS:
+        raise ValueError(f"`momentum_masking` must be one of {MASKINGS}, got "
+                         f"{momentum_masking!r}")
     kwargs.pop("learning_rate", None)
     if kwargs:
         raise ValueError(f"BlockSparseOptimizer does not take {sorted(kwargs)}; set them "
                          "on the inner optimizer")
-    return k, density, rules, momentum_correction
+    return k, density, rules, momentum_correction, dense_below
