@@ -226,7 +226,7 @@ def _pick(profile: ModelProfile, topology: Topology, candidates: Iterator[list],
     """Least bottleneck, then fewest devices, then fewest stages (first found on ties)."""
     scored = [(_cost(profile, topology, c), c) for c in candidates]
     best = min(cost for cost, _ in scored)
-    limit = best + 1e-9 * abs(best)
+    limit = best + _TIE_RTOL * abs(best)  # the DP's tie rule, so both pick the same plan
     _, spans = min(((sum(len(d) for _, _, d in c), len(c), k), c)
                    for k, (cost, c) in enumerate(scored) if cost <= limit)
     return make_plan(profile, topology, spans, method, order)
