@@ -39,6 +39,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("test_samples", 0, "Use only the first N test samples (0 = all).", **fv)
     flags.DEFINE_boolean("validate", True, "Evaluate on the test set after every epoch "
                          "(val_* curves in metrics.json and TensorBoard).", **fv)
+    flags.DEFINE_integer("eval_batch_size", 256, "Global batch of the test evaluation (every "
+                         "test example is counted exactly once, whatever the workers).",
+                         lower_bound=1, **fv)
+    flags.DEFINE_boolean("deterministic", False, "Seed Python/NumPy/TF with --seed and turn on "
+                         "TF op determinism, so a re-run reproduces its accuracies (slower "
+                         "on some devices).", **fv)
     flags.DEFINE_enum("strategy", "none", ["none", "mirrored", "multiworker"],
                       "none: default strategy; mirrored: MirroredStrategy over --num_devices "
                       "local devices; multiworker: MultiWorkerMirroredStrategy from TF_CONFIG "

@@ -123,8 +123,21 @@ def train_dataset(arrays: Arrays, global_batch: int, num_workers: int, worker_in
     return ds.with_options(options), steps
 
 
-def test_dataset(arrays: Arrays, batch: int) -> tf.data.Dataset:
-    """The whole test set on every worker (evaluation is replicated, not sharded)."""
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return tf.data.Dataset.from_tensor_slices(arrays.test).batch(batch).with_options(options)
+def eval_kwargs(model: str) -> dict:
+    """Keyword arguments of ``evaluate_exactly`` / ``ExactValidation`` for ``model``.
+
+    Sequence models count non-PAD target tokens with a per-token cross-entropy and report
+    ``token_accuracy``; image models use the compiled loss and ``accuracy``.
+    """
+    from models import registry
+
+    if not registry.is_sequence_model(model):
+        return {"metric_name": "accuracy"}
+    import keras
+
+    from models import nmt
+
+    def token_ce(y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
+        return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+    return {"metric_name": "token_accuracy", "loss": token_ce, "ignore_label": nmt.PAD}

@@ -170,8 +170,13 @@ def run(argv_flags=FLAGS) -> dict:
     import tf_blocksparse as tfbs
     from launch import pipeline
     from models import registry
+    from tf_blocksparse.keras.backup import save_model
+    from tf_blocksparse.keras.evaluation import ExactValidation, evaluate_exactly
 
     f = argv_flags
+    if f.deterministic:  # the same seed gives the same accuracies on a re-run
+        keras.utils.set_random_seed(f.seed)
+        tf.config.experimental.enable_op_determinism()
     strategy = make_strategy(f.strategy, f.num_devices)
     from tf_blocksparse.distribute.strategy import worker_role
 
@@ -214,17 +219,23 @@ def run(argv_flags=FLAGS) -> dict:
             "val_token_accuracy" if sequence else "val_accuracy"))
     clock = epoch_clock()
     callbacks.append(clock)
-    test_ds = pipeline.test_dataset(arrays, 256)
+    eval_kwargs = pipeline.eval_kwargs(f.model)
+    if f.validate:  # first: later callbacks (stop, TensorBoard, History) read its figures
+        callbacks.insert(0, ExactValidation(*arrays.test, batch_size=f.eval_batch_size,
+                                            verbose=chief, **eval_kwargs))
     t0 = time.perf_counter()
     hist = model.fit(train_ds, epochs=f.epochs, steps_per_epoch=steps, callbacks=callbacks,
-                     validation_data=test_ds if f.validate else None,
                      shuffle=False, verbose=2 if chief else 0)
     wall = time.perf_counter() - t0
-    results = model.evaluate(test_ds, verbose=0, return_dict=True)
-    acc_key = "token_accuracy" if sequence else "accuracy"
+    kwargs = {k: v for k, v in eval_kwargs.items() if k != "metric_name"}
+    results = evaluate_exactly(model, *arrays.test, batch_size=f.eval_batch_size, **kwargs)
     m = opt.block_sparse_metrics()
+    if f.model_dir:  # every worker takes part (reading residuals is a collective)
+        save_model(model, os.path.join(f.model_dir, "model.keras"))
     record = {
-        "test_accuracy": float(results[acc_key]), "test_loss": float(results["loss"]),
+        "test_accuracy": results.accuracy, "test_loss": results.loss,
+        "test_examples": results.examples, "test_correct": results.correct,
+        "test_counted": results.counted,
         "epochs": f.epochs, "epochs_trained": len(clock.train_s),
         "initial_epoch": int(getattr(model, "_initial_epoch", 0) or 0),
         "steps": int(opt.iterations.numpy()), "steps_per_epoch": steps,

@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--strategy=multiworker",
          "--dataset=digits", "--model=cnn_small", "--batch_size=64"]
 ENV = {"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
-FIELDS = ("test_accuracy", "test_loss", "epochs", "steps", "wall_s", "payload_bytes_per_step",
-          "dense_bytes_per_step", "num_workers", "flags")
+FIELDS = ("test_accuracy", "test_loss", "test_examples", "test_correct", "epochs", "steps",
+          "wall_s", "payload_bytes_per_step", "dense_bytes_per_step", "num_workers", "flags")
 
 
 def _flag_values(*args):
@@ -67,6 +67,36 @@ def test_two_worker_cluster_trains_and_writes_metrics(tmp_path):
     assert val[-1] > val[0] and m["test_accuracy"] > 0.2, val
     assert m["payload_bytes_per_step"] * 20 < m["dense_bytes_per_step"]
     assert m["flags"]["compression"] == "block" and m["flags"]["k"] == 1
+    # every one of digits' 360 test images counted once, and the saved model agrees
+    assert m["test_examples"] == 360 and m["test_accuracy"] == m["test_correct"] / 360
+    assert m["history"]["val_correct"][-1] == m["test_correct"]
+    _check_saved_model(tmp_path / "model.keras", m)
+
+
+_LOAD = """
+import json, sys
+import keras, numpy as np
+import tf_blocksparse  # registers BlockSparseOptimizer: nothing else is needed to load
+from launch import data
+model = keras.saving.load_model(sys.argv[1])
+(_, _), (x, y) = data.load_digits()
+logits = model.predict(x, batch_size=64, verbose=0)
+loss = float(np.mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)))
+print(json.dumps({"correct": int(np.sum(np.argmax(logits, -1) == y)), "loss": loss,
+                  "optimizer": type(model.optimizer).__name__}))
+"""
+
+
+def _check_saved_model(path, metrics):
+    """The chief's model.keras loads in a fresh process and scores what metrics.json says."""
+    assert path.exists() and not list(path.parent.glob("model.keras.worker_*"))
+    out = subprocess.run([sys.executable, "-c", _LOAD, str(path)], capture_output=True,
+                         text=True, env=dict(os.environ, **ENV), timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["optimizer"] == "BlockSparseOptimizer"
+    assert got["correct"] == metrics["test_correct"]
+    assert got["loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
 
 
 def test_cluster_stops_together_at_the_target_accuracy(tmp_path):

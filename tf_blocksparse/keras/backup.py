@@ -54,3 +54,27 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
             return
         super().on_train_end(logs)
+
+
+def save_model(model: keras.Model, path: str) -> None:
+    """``model.save(path)`` from every worker; only the chief's file stays at ``path``.
+
+    Under a multi-worker strategy saving reads the per-replica optimizer state (residuals),
+    which is a collective, so every worker must save at the same point; non-chief workers
+    write to a private temporary file that is removed again.
+
+    Args:
+      model: The trained model (optimizer included).
+      path: A ``.keras`` file path.
+
+    Raises:
+      ValueError: ``path`` does not end in ``.keras``.
+    """
+    if not str(path).endswith(".keras"):
+        raise ValueError(f"`path` must end in .keras, got {path!r}")
+    role = worker_role(model.distribute_strategy)
+    target = path if role.is_chief else f"{path}.worker_{role.index}.keras"
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    model.save(target)
+    if not role.is_chief:
+        os.remove(target)
