@@ -1,6 +1,6 @@
 """One worker of the 2-process MultiWorkerMirroredStrategy test (reads TF_CONFIG).
 
-Usage: python tests/mwms_worker.py OUT_DIR EXCHANGE
+Usage: python tests/mwms_worker.py OUT_DIR EXCHANGE [DENSE_BELOW]
 """
 
 import json
@@ -16,7 +16,7 @@ import tensorflow as tf  # noqa: E402
 import tf_blocksparse as tfbs  # noqa: E402
 
 
-def main(out_dir: str, exchange: str) -> None:
+def main(out_dir: str, exchange: str, dense_below: int = 0) -> None:
     strategy = tfbs.MultiWorkerMirroredStrategy()
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     rng = np.random.default_rng(0)
@@ -29,7 +29,7 @@ def main(out_dir: str, exchange: str) -> None:
             keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
             keras.layers.Flatten(), keras.layers.Dense(2)])
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), k=1,
-                                        exchange=exchange)
+                                        exchange=exchange, dense_below=dense_below)
         model.compile(optimizer=opt, metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     hist = model.fit(ds, epochs=4, verbose=0)
@@ -41,4 +41,4 @@ def main(out_dir: str, exchange: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)

@@ -1,7 +1,7 @@
 """A pure NumPy reference of block top-k sparsification with error feedback (no TensorFlow).
 
-Written from the issue text, independently of :mod:`tf_blocksparse`, so the TF code can be
-checked against it.  A *layout* is anything with ``shape`` (the variable's shape) and
+Written from the method's description, independently of :mod:`tf_blocksparse`, so the TF
+code can be checked against it.  A *layout* is anything with ``shape`` (the variable's shape) and
 ``view_shape`` (``(outer, num_blocks, inner)``), e.g. a ``tf_blocksparse.blocks.BlockLayout``;
 this module never imports it (importing the package would import TensorFlow).
 
@@ -15,7 +15,9 @@ Per variable, per replica::
 Exchange modes across replicas (:func:`np_step`): ``"allgather"`` (each replica its own
 top-k, the update is the sum of everybody's scattered blocks), ``"shared"`` (one common
 top-k from the scores summed over replicas) and ``"dense"`` (the update is the sum of the
-gradients, residuals untouched).
+gradients, residuals untouched).  Variables with fewer than ``dense_below`` elements are
+sent whole: the update is the plain sum of the replicas' accumulations, their residual zero;
+:func:`np_payload_bytes` gives the bytes a replica hands to the collectives.
 """
 
 from __future__ import annotations
@@ -106,6 +108,34 @@ def np_zero_blocks(x: np.ndarray, layout: Any, ids: np.ndarray) -> np.ndarray:
     return v.reshape(_shape(layout))
 
 
+def np_is_whole(layout: Any, dense_below: int) -> bool:
+    """True when the variable has fewer than ``dense_below`` elements (sent whole)."""
+    return math.prod(_shape(layout)) < dense_below
+
+
+def np_payload_bytes(mode: str, layouts: Sequence[Any], k: int | None = None,
+                     density: float | None = None, dense_below: int = 0,
+                     itemsize: int = 4) -> int:
+    """Bytes one replica hands to the collectives in one step (float32 scores and ids).
+
+    ``"allgather"``: ``4 * (sum k_v + 1)`` (ids and the non-finite flag) plus the values of
+    the kept blocks; ``"shared"``: ``4 * sum nb_v`` (scores) plus the same values; both over
+    the compressed variables only (none at all when there is none), plus every element of
+    the variables sent whole (one dense sum).  ``"dense"``: every element.
+    """
+    sizes = [math.prod(_shape(lay)) for lay in layouts]
+    if mode == "dense":
+        return itemsize * sum(sizes)
+    whole = itemsize * sum(n for n, lay in zip(sizes, layouts) if np_is_whole(lay, dense_below))
+    sparse = [_view_shape(lay) for lay in layouts if not np_is_whole(lay, dense_below)]
+    if not sparse:
+        return whole
+    counts = [np_num_selected(nb, k, density) for _, nb, _ in sparse]
+    values = itemsize * sum(c * outer * inner for c, (outer, _, inner) in zip(counts, sparse))
+    side = 4 * (sum(counts) + 1) if mode == "allgather" else 4 * sum(nb for _, nb, _ in sparse)
+    return side + values + whole
+
+
 def np_compress(grad: np.ndarray, residual: np.ndarray, layout: Any, k: int | None = None,
                 density: float | None = None, metric: str = "l1"
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -134,7 +164,9 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
       k, density, metric: Selection parameters (see :func:`np_compress`).
       sent: If a list, it receives ``[replica][variable]`` the block ids each replica
         moved out of its residual.
-      dense_below: Variables with fewer elements keep all their blocks.
+      dense_below: Variables with fewer elements are sent whole: their update is the plain
+        sum of the replicas' ``grad + residual``, their residual zero and their sent ids
+        every block id in order.
 
     Returns:
       ``(updates, new_residuals, finite)``: per variable the summed update (the same on
@@ -163,7 +195,13 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
     sent_ids: list[list[np.ndarray]] = [[None] * nvars for _ in range(n)]
     for v, lay in enumerate(layouts):
         nb = _view_shape(lay)[1]
-        count = nb if np.prod(_shape(lay)) < dense_below else np_num_selected(nb, k, density)
+        if np_is_whole(lay, dense_below):
+            for r in range(n):
+                updates[v] = updates[v] + accs[r][v]
+                residuals[r][v] = np.zeros_like(accs[r][v])
+                sent_ids[r][v] = np.arange(nb, dtype=np.int32)
+            continue
+        count = np_num_selected(nb, k, density)
         if mode == "shared":
             summed = sum(scores[r][v] for r in range(n))
             finite = finite and bool(np.all(np.isfinite(summed)))
@@ -183,7 +221,7 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                                velocities_per_replica: Sequence[Sequence[np.ndarray]],
                                layouts: Sequence[Any], momentum: float, k: int | None = None,
                                density: float | None = None, metric: str = "l1",
-                               masking: str = "all"
+                               masking: str = "all", dense_below: int = 0
                                ) -> tuple[list[np.ndarray], list[list[np.ndarray]],
                                           list[list[np.ndarray]], bool]:
     """DGC momentum correction + factor masking around :func:`np_step`.
@@ -191,7 +229,7 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
     Per replica ``u = momentum * u + g``; ``u`` goes through error feedback, selection and
     exchange in place of ``g``; ``masking="all"`` zeroes the blocks a replica sent in its
     ``u`` too, ``"waited"`` only those whose residual block was non-zero before the step,
-    ``"none"`` none.
+    ``"none"`` none.  Variables sent whole (``dense_below``) count every block as sent.
 
     Returns:
       ``(updates, new_residuals, new_velocities, finite)``.
@@ -201,7 +239,7 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
           for us_r, gs_r in zip(velocities_per_replica, grads_per_replica)]
     sent: list = []
     updates, residuals, finite = np_step(mode, us, residuals_per_replica, layouts, k, density,
-                                         metric, sent=sent)
+                                         metric, sent=sent, dense_below=dense_below)
     if mode == "dense" or masking == "none":
         return updates, residuals, us, finite
     if masking == "waited":

@@ -44,7 +44,7 @@ def _fit(strategy, opt_fn, ops=None):
 
 
 @pytest.mark.parametrize("exchange,dense_below", [("allgather", 0), ("shared", 0),
-                                                  ("allgather", 100)])
+                                                  ("allgather", 100), ("shared", 100)])
 def test_same_weights_as_the_optimizer_wrapper(mirrored2, exchange, dense_below):
     strategy, ops = _strategy("ops", k=1, exchange=exchange, dense_below=dense_below)
     via_ops, hist = _fit(strategy, lambda: keras.optimizers.SGD(0.05, momentum=0.9), ops)
@@ -60,8 +60,12 @@ def test_same_weights_as_the_optimizer_wrapper(mirrored2, exchange, dense_below)
     residuals = next(iter(ops.residuals.values()))
     assert len(residuals) == 2 and len(residuals[0]) == 4
     assert not np.array_equal(residuals[0][2].numpy(), residuals[1][2].numpy())
-    # the 45-element conv kernel goes whole under dense_below=100: nothing held back
+    # the 45-element conv kernel goes whole under dense_below=100: nothing held back, and
+    # it and both biases (5, 3) send no ids; the Dense kernel keeps 1 of 3 blocks of 180
     assert np.any(residuals[0][0].numpy()) == (dense_below == 0)
+    ids = 4 * (1 if dense_below else 4)
+    values = 4 * (180 + 45 + 5 + 3) if dense_below else 4 * (9 + 1 + 180 + 1)
+    assert ops.payload_bytes == ids + values
 
 
 def test_non_gradient_reductions_pass_through():

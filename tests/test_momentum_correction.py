@@ -23,7 +23,8 @@ def _train(strategy, inner_momentum=0.0, **opt_kwargs):
     return _run_distributed(strategy, inner_momentum=inner_momentum, **opt_kwargs)
 
 
-def _reference(n, mode, k=None, density=None, granularity="block", masking="all"):
+def _reference(n, mode, k=None, density=None, granularity="block", masking="all",
+               dense_below=0):
     model = _model()
     layouts = tfbs.blocks.layouts_for(model.trainable_variables, model)
     if granularity == "element":
@@ -35,7 +36,7 @@ def _reference(n, mode, k=None, density=None, granularity="block", masking="all"
         grads = [_replica_grads(weights, *_data(s, r), n) for r in range(n)]
         updates, residuals, velocities, finite = ref.np_momentum_corrected_step(
             mode, grads, residuals, velocities, layouts, MOMENTUM, k, density,
-            masking=masking)
+            masking=masking, dense_below=dense_below)
         assert finite
         weights = [w - u * np.float32(LR) for w, u in zip(weights, updates)]
     return weights, residuals, velocities
@@ -45,7 +46,9 @@ def _reference(n, mode, k=None, density=None, granularity="block", masking="all"
     ("allgather", {"k": 1}), ("shared", {"density": 0.5}),
     ("allgather", {"density": 0.2, "granularity": "element"}),
     ("shared", {"k": 1, "masking": "none"}), ("allgather", {"k": 2, "masking": "waited"}),
-    ("shared", {"density": 0.5, "masking": "waited"})])
+    ("shared", {"density": 0.5, "masking": "waited"}),
+    ("allgather", {"k": 1, "dense_below": 100}),
+    ("shared", {"k": 1, "dense_below": 100, "masking": "waited"})])
 def test_matches_numpy_reference(mirrored2, mode, kwargs):
     masking = kwargs.pop("masking", "all")
     model, opt = _train(mirrored2, exchange=mode, momentum_correction=MOMENTUM,
@@ -63,9 +66,11 @@ def test_matches_numpy_reference(mirrored2, mode, kwargs):
             for replica in range(2):
                 np.testing.assert_allclose(var.value.values[replica].numpy(),
                                            want[replica][i], rtol=2e-5, atol=2e-6)
-    # the velocities differ between replicas (local momentum), and sent blocks are masked
-    assert not np.array_equal(opt.velocities[0].value.values[0].numpy(),
-                              opt.velocities[0].value.values[1].numpy())
+    # the velocities differ between replicas (local momentum), and sent blocks are masked;
+    # under dense_below=100 only the Dense kernel (index 2) is compressed
+    i = 2 if "dense_below" in kwargs else 0
+    assert not np.array_equal(opt.velocities[i].value.values[0].numpy(),
+                              opt.velocities[i].value.values[1].numpy())
 
 
 def test_dense_exchange_equals_global_momentum(mirrored2):

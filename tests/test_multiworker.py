@@ -12,24 +12,31 @@ from launch.local_cluster import run_local_cluster
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_cluster(tmp_path, exchange: str, timeout: float = 240) -> None:
+def _run_cluster(tmp_path, exchange: str, dense_below: int = 0, timeout: float = 240) -> None:
     cmd = [sys.executable, os.path.join(ROOT, "tests", "mwms_worker.py"), str(tmp_path),
-           exchange]
+           exchange, str(dense_below)]
     rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": ROOT}, timeout_s=timeout)
     assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs above)"
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "shared"])
-def test_two_process_fit_trains_and_stays_in_sync(tmp_path, exchange):
-    _run_cluster(tmp_path, exchange)
+@pytest.mark.parametrize("exchange,dense_below", [("allgather", 0), ("shared", 0),
+                                                  ("allgather", 100), ("shared", 100)])
+def test_two_process_fit_trains_and_stays_in_sync(tmp_path, exchange, dense_below):
+    _run_cluster(tmp_path, exchange, dense_below)
     w0, w1 = (np.load(tmp_path / f"weights_{i}.npz") for i in range(2))
     for key in w0.files:
         assert np.array_equal(w0[key], w1[key]), key
     h0 = json.loads((tmp_path / "history_0.json").read_text())
     assert h0["replicas"] == 2
     assert h0["loss"][-1] < h0["loss"][0], h0["loss"]
-    assert h0["metrics"]["blocks_kept"] == 4
-    # conv 3x3x1x8 (+8 bias), dense 288x2 (+2 bias): one block of each per worker.
-    side = 4 * 5 if exchange == "allgather" else 4 * (8 + 8 + 2 + 2)
-    assert h0["metrics"]["payload_bytes"] == 4 * (9 + 1 + 288 + 1) + side
+    assert h0["metrics"]["blocks_kept"] == (8 + 8 + 1 + 2 if dense_below else 4)
+    # conv 3x3x1x8 (+8 bias), dense 288x2 (+2 bias): one block of each per worker; with
+    # dense_below=100 all but the dense kernel go whole (one dense sum, no ids or scores).
+    if dense_below:
+        side = 4 * (1 + 1) if exchange == "allgather" else 4 * 2  # id + flag | 2 scores
+        values = 4 * (288 + 72 + 8 + 2)
+    else:
+        side = 4 * 5 if exchange == "allgather" else 4 * (8 + 8 + 2 + 2)
+        values = 4 * (9 + 1 + 288 + 1)
+    assert h0["metrics"]["payload_bytes"] == values + side
     assert h0["metrics"]["dense_bytes"] == 4 * (72 + 8 + 576 + 2)

@@ -183,6 +183,22 @@ def _custom_loop(strategy, opt_fn, poison_replica=None, steps=2):
 def test_nonfinite_gradient_skips_step_on_every_replica(mirrored2, mode):
     model, opt, train = _custom_loop(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode), poison_replica=1)
+    _assert_poisoned_step_is_skipped(model, opt, train)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+@pytest.mark.parametrize("dense_below", [100, 10**6])
+def test_nonfinite_whole_variable_skips_step_on_every_replica(mirrored2, mode, dense_below):
+    """A NaN in replica 1's conv kernel (54 elements, sent whole) skips the step on both
+    replicas, beside the compressed Dense kernel (100) or with every variable whole."""
+    model, opt, train = _custom_loop(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode, dense_below=dense_below),
+        poison_replica=1)
+    _assert_poisoned_step_is_skipped(model, opt, train)
+
+
+def _assert_poisoned_step_is_skipped(model, opt, train):
+    """One step with replica 1's first gradient NaN leaves everything as it was."""
     weights = [[t.numpy() for t in v.value.values] for v in model.trainable_variables]
     residuals = [[t.numpy() for t in r.value.values] for r in opt.residuals]
     moments = [v.numpy() for v in opt.inner_optimizer.variables]
@@ -200,6 +216,24 @@ def test_nonfinite_gradient_skips_step_on_every_replica(mirrored2, mode):
     assert opt.block_sparse_metrics()["skipped_steps"] == 1
     train(tf.constant(False))  # training resumes
     assert int(opt.iterations.numpy()) == it + 1
+
+
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+@pytest.mark.parametrize("dense_below", [100, 10**6])
+def test_payload_bytes_with_whole_variables(mirrored2, mode, dense_below):
+    _, opt, _ = _custom_loop(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1), k=1, exchange=mode, dense_below=dense_below), steps=1)
+    m = opt.block_sparse_metrics()
+    assert m["dense_bytes"] == 4 * (54 + 6 + 864 + 4)
+    if dense_below == 10**6:  # all whole: one dense sum, no ids, scores or flag
+        assert m["payload_bytes"] == m["dense_bytes"]
+        return
+    # dense_below=100: the Dense kernel (4 blocks of 216) keeps one block; the conv kernel
+    # (54) and both biases (6, 4) are summed whole, without ids or scores.
+    whole = 4 * (54 + 6 + 4)
+    side = 4 * (1 + 1) if mode == "allgather" else 4 * 4  # id + flag | scores
+    assert m["payload_bytes"] == side + 4 * 216 + whole
+    assert m["blocks_kept"] == 6 + 6 + 1 + 4
 
 
 def test_no_strategy_custom_loop_and_loss_scale_outside():

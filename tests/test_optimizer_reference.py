@@ -1,4 +1,6 @@
-"""The wrapper against a NumPy re-implementation of the core issue, on 2 real replicas."""
+"""The wrapper against a NumPy re-implementation of the method, on 2 real replicas."""
+
+import collections
 
 import keras
 import numpy as np
@@ -113,12 +115,11 @@ def test_fusion_groups_do_not_change_the_result(mirrored2, mode):
         int(np.prod(v.shape)) for v in model.trainable_variables)
 
 
-def test_each_fusion_group_has_its_own_collectives(mirrored2):
-    from tf_blocksparse.planning import TensorSpec, execution_order, plan_balanced
-
-    with mirrored2.scope():
+def _collectives(strategy, **opt_kwargs) -> tuple[collections.Counter, keras.Model]:
+    """Collective op types in one traced training step, and the model."""
+    with strategy.scope():
         model = _model()
-        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR), k=1, fusion_buffer_bytes=600)
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR), **opt_kwargs)
         opt.build(model.trainable_variables)
 
     @tf.function
@@ -128,15 +129,38 @@ def test_each_fusion_group_has_its_own_collectives(mirrored2):
                 loss = _loss(model, xb, yb, 2)
             opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                     model.trainable_variables))
-        mirrored2.run(step, args=(x, y))
+        strategy.run(step, args=(x, y))
 
     x, y = _data(0, 0)
     graph = train.get_concrete_function(tf.constant(x), tf.constant(y)).graph
-    gathers = [op for op in graph.get_operations() if op.type == "CollectiveGatherV2"]
+    return collections.Counter(op.type for op in graph.get_operations()
+                               if op.type.startswith("Collective")), model
+
+
+def test_each_fusion_group_has_its_own_collectives(mirrored2):
+    from tf_blocksparse.planning import TensorSpec, execution_order, plan_balanced
+
+    ops, model = _collectives(mirrored2, k=1, fusion_buffer_bytes=600)
     specs = [TensorSpec(v.path, 4 * int(np.prod(v.shape))) for v in model.trainable_variables]
     groups = plan_balanced(specs, 600, execution_order(len(specs))).groups
     assert len(groups) > 1
-    assert len(gathers) == 2 * 2 * len(groups)  # 2 replicas x (ids, values) per group
+    # 2 replicas x (ids, values) per group
+    assert ops == {"CollectiveGatherV2": 2 * 2 * len(groups)}
+
+
+@pytest.mark.parametrize("mode,dense_below,want", [
+    ("allgather", 0, {"CollectiveGatherV2": 2}),
+    ("allgather", 100, {"CollectiveGatherV2": 2, "CollectiveReduceV2": 1}),
+    ("allgather", 10**6, {"CollectiveReduceV2": 1}),
+    ("shared", 0, {"CollectiveReduceV2": 2}),
+    ("shared", 100, {"CollectiveReduceV2": 3}),
+    ("shared", 10**6, {"CollectiveReduceV2": 1}),
+])
+def test_whole_variables_take_one_dense_all_reduce(mirrored2, mode, dense_below, want):
+    """Per replica: the sparse buffers as without ``dense_below`` (if any variable is still
+    compressed), plus one all-reduce of the variables sent whole (if any)."""
+    ops, _ = _collectives(mirrored2, k=1, exchange=mode, dense_below=dense_below)
+    assert ops == {name: 2 * n for name, n in want.items()}
 
 
 @pytest.mark.parametrize("mode", ["allgather", "shared"])
@@ -152,14 +176,23 @@ def test_dense_below_sends_small_variables_whole(mirrored2, mode):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
         assert np.any(got) == (int(np.prod(var.shape)) >= 100), var.path
     assert opt.get_config()["dense_below"] == 100
+    # only the Dense kernel (5 blocks of 64) carries ids (1 + flag) or scores (5); the
+    # 99 elements of the others go as one dense sum.
+    side = 4 * 2 if mode == "allgather" else 4 * 5
+    want_bytes = side + 4 * 64 + 4 * (72 + 4 + 5 + 15 + 3)
+    assert opt.block_sparse_metrics()["payload_bytes"] == want_bytes == ref.np_payload_bytes(
+        mode, opt.layouts, k=1, dense_below=100)
 
 
-def test_dense_below_above_every_size_equals_dense_exchange(mirrored2):
-    model, _ = _run_distributed(mirrored2, exchange="allgather", k=1, dense_below=10**6)
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+def test_dense_below_above_every_size_equals_dense_exchange(mirrored2, mode):
+    model, opt = _run_distributed(mirrored2, exchange=mode, k=1, dense_below=10**6)
     dense, _ = _run_distributed(mirrored2, exchange="dense")
     for a, b in zip(model.trainable_variables, dense.trainable_variables):
         np.testing.assert_allclose(a.value.values[0].numpy(), b.value.values[0].numpy(),
                                    rtol=1e-6, atol=1e-7)
+    m = opt.block_sparse_metrics()
+    assert m["payload_bytes"] == m["dense_bytes"]  # no ids, scores or flag
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])

@@ -413,6 +413,51 @@ def test_single_replica_exchange_matches_reference(mode):
             np.testing.assert_array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+@pytest.mark.parametrize("dense_below", [0, 65, 10**6])
+def test_single_replica_exchange_with_whole_variables(mode, dense_below):
+    """dense_below=65: the 60- and 6-element variables are summed whole (no ids, no
+    scores), the 72-element one keeps half its blocks; 10**6: all whole, one buffer."""
+    from tf_blocksparse import exchange
+
+    lays = [blocks.BlockLayout("m/k", (3, 3, 2, 4), blocks.OUTPUT_CHANNEL),
+            blocks.BlockLayout("m/t", (2, 2, 5, 3), blocks.TRANSPOSE_FILTER),
+            blocks.BlockLayout("m/b", (6,), blocks.ELEMENT)]
+    comp = BlockTopK(lays, density=0.5, dense_below=dense_below)
+    assert comp.whole == tuple(lay.size < dense_below for lay in lays)
+    grads = [_data(i, lay.shape) for i, lay in enumerate(lays)]
+    state = [_data(i + 10, lay.shape, -8, 9) for i, lay in enumerate(lays)]
+    out = exchange.run_exchange(mode, tf.distribute.get_replica_context(), comp,
+                                [tf.constant(g) for g in grads],
+                                [tf.constant(s) for s in state])
+    sent: list = []
+    updates, residuals, finite = ref.np_step(mode, [grads], [state], lays, density=0.5,
+                                             sent=sent, dense_below=dense_below)
+    assert bool(out.finite.numpy()) == finite
+    for got, want in zip(out.updates, updates):
+        np.testing.assert_array_equal(got.numpy(), want)
+    for got, want in zip(out.residuals, residuals[0]):
+        np.testing.assert_array_equal(got.numpy(), want)
+    for got, want, whole in zip(out.sent_ids, sent[0], comp.whole):
+        if whole:  # every block, in order
+            np.testing.assert_array_equal(got.numpy(), np.arange(len(want)))
+        np.testing.assert_array_equal(np.sort(got.numpy()), np.sort(want))
+    assert out.payload_bytes == ref.np_payload_bytes(mode, lays, density=0.5,
+                                                     dense_below=dense_below)
+    assert out.blocks_kept == sum(comp.counts)
+
+
+def test_whole_variables_payload_bytes_in_the_reference():
+    lays = [blocks.BlockLayout("m/k", (3, 3, 2, 4), blocks.OUTPUT_CHANNEL),  # 4 blocks of 18
+            blocks.BlockLayout("m/b", (6,), blocks.ELEMENT)]
+    # k=1: ids 1 + flag | scores 4, one 18-value block, and the 6-element bias whole.
+    assert ref.np_payload_bytes("allgather", lays, k=1, dense_below=7) == 4 * (2 + 18 + 6)
+    assert ref.np_payload_bytes("shared", lays, k=1, dense_below=7) == 4 * (4 + 18 + 6)
+    assert ref.np_payload_bytes("allgather", lays, k=1) == 4 * (3 + 18 + 1)
+    for mode in ("allgather", "shared", "dense"):
+        assert ref.np_payload_bytes(mode, lays, k=1, dense_below=100) == 4 * 78
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_reference_sgd_matches_keras(momentum):
     import keras

@@ -15,9 +15,16 @@ variables (all variables are packed into one buffer per buffer kind):
 ``"dense"``
     One ``all_reduce`` of the gradients, exactly the call Keras makes (bit-identical).
 
+Variables sent whole (``BlockTopK.whole``, below its ``dense_below``) need neither ids nor
+scores: every block of theirs goes.  Both sparse modes sum them with one more ``all_reduce``
+of their packed accumulations (``itemsize * sum size_v`` bytes), and the sums above run over
+the compressed variables only; when every variable is whole that ``all_reduce`` is the only
+collective.
+
 Keras divides each replica's loss by the number of replicas, so a SUM is the mean.  Every
-mode also returns a replica-identical ``finite`` flag without an extra collective (the flag
-rides in the id buffer; summed scores or reduced gradients show non-finite values as such).
+mode also returns a replica-identical ``finite`` flag without a collective of its own (the
+flag rides in the id buffer; summed scores, summed whole variables or reduced gradients
+show non-finite values as such).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tf_blocksparse import codec, selection
-from tf_blocksparse.feedback import BlockTopK, Prepared
+from tf_blocksparse.feedback import BlockTopK, Prepared, take_blocks
 
 EXCHANGES = ("allgather", "shared", "dense")
 _SUM = tf.distribute.ReduceOp.SUM
@@ -49,7 +56,8 @@ class ExchangeResult:
       residual_norm: Scalar, the metric's norm (L1 or L2) of this replica's new residual,
         derived from the block scores without another pass over the tensors.
       sent_ids: Per variable, the block ids [k_v] int32 this replica moved out of its
-        residual (``None`` for dense); what momentum correction masks with.
+        residual (``None`` for dense; ``range(num_blocks)`` for a variable sent whole); what
+        momentum correction masks with.
     """
 
     updates: tuple[tf.Tensor, ...]
@@ -86,52 +94,138 @@ def _values_dtype(values: Sequence[tf.Tensor]) -> tf.DType:
     return dtypes.pop() if len(dtypes) == 1 else tf.float32
 
 
+def _pack_values(values: Sequence[tf.Tensor]) -> tf.Tensor:
+    """One buffer of ``values``, in their common dtype (float32 when they mix)."""
+    dtype = _values_dtype(values)
+    return codec.pack([tf.cast(v, dtype) for v in values])
+
+
+def _and(a: tf.Tensor | None, b: tf.Tensor) -> tf.Tensor:
+    """``a and b``, where ``a`` may be absent (``None``)."""
+    return b if a is None else tf.logical_and(a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One replica's share of an exchange over some of the variables.
+
+    Attributes:
+      updates: ``{position: summed update [*shape]}``.
+      residuals: ``{position: new residual [*shape]}``.
+      finite: Scalar bool, replica-identical; ``None`` when the part moved nothing.
+      nbytes: Bytes handed to the part's collectives.
+    """
+
+    updates: dict[int, tf.Tensor]
+    residuals: dict[int, tf.Tensor]
+    finite: tf.Tensor | None
+    nbytes: int
+
+
+def _sum_whole(ctx: tf.distribute.ReplicaContext, comp: BlockTopK, prepared: Prepared
+               ) -> _Part:
+    """The variables sent whole: one ``all_reduce`` of their packed accumulations.
+
+    Every block of theirs is sent, so neither ids nor scores travel; their residuals become
+    zero.  A non-finite value anywhere shows in the summed buffer on every replica.
+    """
+    whole = [p for p, w in enumerate(comp.whole) if w]
+    if not whole:
+        return _Part({}, {}, None, 0)
+    accs = [prepared.accs[p] for p in whole]
+    buf = _pack_values(accs)
+    summed = ctx.all_reduce(_SUM, buf)
+    parts = codec.unpack(summed, [comp.layouts[p].shape for p in whole])
+    return _Part({p: tf.cast(u, a.dtype) for p, u, a in zip(whole, parts, accs)},
+                 {p: tf.zeros_like(a) for p, a in zip(whole, accs)},
+                 tf.reduce_all(tf.math.is_finite(summed)), codec.buffer_nbytes(buf))
+
+
+def _take(comp: BlockTopK, prepared: Prepared, ids: Sequence[tf.Tensor],
+          sparse: Sequence[int]) -> tuple[list[tf.Tensor], dict[int, tf.Tensor]]:
+    """The selected blocks [k_v, bs_v] of the compressed variables, and their residuals."""
+    taken = [take_blocks(prepared.accs[p], comp.layouts[p], ids[p]) for p in sparse]
+    return [v for v, _ in taken], {p: r for p, (_, r) in zip(sparse, taken)}
+
+
+def _result(comp: BlockTopK, prepared: Prepared, ids: Sequence[tf.Tensor],
+            parts: Sequence[_Part]) -> ExchangeResult:
+    """Merges the whole and the compressed variables' parts, in variable order."""
+    updates, residuals = {}, {}
+    finite = None
+    for part in parts:
+        updates.update(part.updates)
+        residuals.update(part.residuals)
+        if part.finite is not None:
+            finite = _and(finite, part.finite)
+    order = range(len(comp.layouts))
+    sparse = [p for p in order if not comp.whole[p]]
+    return ExchangeResult(
+        tuple(updates[p] for p in order), tuple(residuals[p] for p in order),
+        tf.constant(True) if finite is None else finite, sum(p.nbytes for p in parts),
+        dense_nbytes(prepared.accs), sum(comp.counts),
+        _residual_norm([prepared.scores[p] for p in sparse], [ids[p] for p in sparse],
+                       comp.metric), tuple(ids))
+
+
 def exchange_allgather(ctx: tf.distribute.ReplicaContext, comp: BlockTopK,
                        prepared: Prepared) -> ExchangeResult:
-    """Each replica sends its own top-k blocks; updates are the sum of everybody's."""
+    """Each replica sends its own top-k blocks; updates are the sum of everybody's.
+
+    Variables sent whole are summed densely instead (one ``all_reduce``, no ids).  The
+    non-finite flag rides in the id buffer and covers every variable; with no compressed
+    variable there is no id buffer and the summed whole buffer carries it.
+    """
+    whole = _sum_whole(ctx, comp, prepared)
     ids = comp.select(prepared.scores)
-    payload, residuals = comp.finish(prepared, ids)
+    sparse = [p for p, w in enumerate(comp.whole) if not w]
+    if not sparse:
+        return _result(comp, prepared, ids, [whole])
+    values, residuals = _take(comp, prepared, ids, sparse)
     bad = tf.reshape(tf.cast(tf.logical_not(prepared.finite), tf.int32), (1,))
-    id_buf = codec.pack([*payload.ids, bad])
-    vdtype = _values_dtype(payload.values)
-    val_buf = codec.pack([tf.cast(v, vdtype) for v in payload.values])
+    id_buf = codec.pack([*(ids[p] for p in sparse), bad])
+    val_buf = _pack_values(values)
     n = ctx.num_replicas_in_sync
     all_ids = tf.reshape(ctx.all_gather(id_buf, axis=0), (n, -1))
     all_vals = tf.reshape(ctx.all_gather(val_buf, axis=0), (n, -1))
-    finite = tf.equal(tf.reduce_sum(all_ids[:, -1]), 0)
-    updates, i_off, v_off = [], 0, 0
-    for lay, k, acc in zip(comp.layouts, comp.counts, prepared.accs):
+    updates, i_off, v_off = {}, 0, 0
+    for p in sparse:
+        lay, k = comp.layouts[p], comp.counts[p]
         g_ids = tf.reshape(all_ids[:, i_off:i_off + k], (-1,))
         g_vals = tf.reshape(all_vals[:, v_off:v_off + k * lay.block_size], (-1, lay.block_size))
-        updates.append(tf.cast(selection.scatter_blocks(g_vals, g_ids, lay), acc.dtype))
+        updates[p] = tf.cast(selection.scatter_blocks(g_vals, g_ids, lay), prepared.accs[p].dtype)
         i_off, v_off = i_off + k, v_off + k * lay.block_size
-    return ExchangeResult(
-        tuple(updates), residuals, finite,
-        codec.buffer_nbytes(id_buf) + codec.buffer_nbytes(val_buf),
-        dense_nbytes(prepared.accs), sum(comp.counts),
-        _residual_norm(prepared.scores, ids, comp.metric), tuple(ids))
+    gathered = _Part(updates, residuals, tf.equal(tf.reduce_sum(all_ids[:, -1]), 0),
+                     codec.buffer_nbytes(id_buf) + codec.buffer_nbytes(val_buf))
+    return _result(comp, prepared, ids, [whole, gathered])
 
 
 def exchange_shared(ctx: tf.distribute.ReplicaContext, comp: BlockTopK,
                     prepared: Prepared) -> ExchangeResult:
-    """All replicas agree on the blocks with the highest summed score, then all-reduce them."""
-    score_buf = codec.pack(prepared.scores)
+    """All replicas agree on the blocks with the highest summed score, then all-reduce them.
+
+    Variables sent whole are summed densely instead (one ``all_reduce``, no scores).
+    """
+    whole = _sum_whole(ctx, comp, prepared)
+    sparse = [p for p, w in enumerate(comp.whole) if not w]
+    if not sparse:
+        return _result(comp, prepared, comp.select(prepared.scores), [whole])
+    score_buf = codec.pack([prepared.scores[p] for p in sparse])
     summed = ctx.all_reduce(_SUM, score_buf)
-    finite = tf.reduce_all(tf.math.is_finite(summed))
-    global_scores = codec.unpack(summed, [(lay.num_blocks,) for lay in comp.layouts])
-    ids = comp.select(global_scores)
-    payload, residuals = comp.finish(prepared, ids)
-    vdtype = _values_dtype(payload.values)
-    val_buf = codec.pack([tf.cast(v, vdtype) for v in payload.values])
+    scores = list(prepared.scores)
+    for p, s in zip(sparse, codec.unpack(summed, [(comp.layouts[p].num_blocks,)
+                                                  for p in sparse])):
+        scores[p] = s
+    ids = comp.select(scores)
+    values, residuals = _take(comp, prepared, ids, sparse)
+    val_buf = _pack_values(values)
     reduced = codec.unpack(ctx.all_reduce(_SUM, val_buf),
-                           [(k, lay.block_size) for k, lay in zip(comp.counts, comp.layouts)])
-    updates = tuple(tf.cast(selection.scatter_blocks(v, i, lay), a.dtype)
-                    for lay, v, i, a in zip(comp.layouts, reduced, ids, prepared.accs))
-    return ExchangeResult(
-        updates, residuals, finite,
-        codec.buffer_nbytes(score_buf) + codec.buffer_nbytes(val_buf),
-        dense_nbytes(prepared.accs), sum(comp.counts),
-        _residual_norm(prepared.scores, ids, comp.metric), tuple(ids))
+                           [(comp.counts[p], comp.layouts[p].block_size) for p in sparse])
+    updates = {p: tf.cast(selection.scatter_blocks(v, ids[p], comp.layouts[p]),
+                          prepared.accs[p].dtype) for p, v in zip(sparse, reduced)}
+    agreed = _Part(updates, residuals, tf.reduce_all(tf.math.is_finite(summed)),
+                   codec.buffer_nbytes(score_buf) + codec.buffer_nbytes(val_buf))
+    return _result(comp, prepared, ids, [whole, agreed])
 
 
 def exchange_dense(ctx: tf.distribute.ReplicaContext, grads: Sequence[tf.Tensor]

@@ -58,6 +58,21 @@ def validate_dense_below(dense_below: int | None) -> int:
     return dense_below
 
 
+def take_blocks(acc: tf.Tensor, layout: BlockLayout, ids: tf.Tensor
+                ) -> tuple[tf.Tensor, tf.Tensor]:
+    """One variable: its blocks ``ids`` [k] and the residual without them.
+
+    Returns:
+      ``(values, residual)``: the blocks as rows [k, block_size], and ``acc`` [*shape] with
+      those blocks set to zero (the rest bit-exact).
+    """
+    flat = selection.block_flat_indices(ids, layout)
+    values = selection.gather_blocks(acc, layout, ids, flat)
+    with tf.control_dependencies([values]):  # lets the scatter reuse acc's buffer
+        residual = selection.zero_blocks(acc, layout, ids, flat)
+    return values, residual
+
+
 @dataclasses.dataclass(frozen=True)
 class Payload:
     """What one replica sends: per variable, block ids [k_v] int32 and values [k_v, bs_v]."""
@@ -73,7 +88,8 @@ class Prepared:
     Attributes:
       accs: Per variable ``grad + residual`` [*shape].
       scores: Per variable [num_blocks] float32 scores.
-      finite: Scalar bool, true when every score is finite (so every ``acc`` entry is).
+      finite: Scalar bool, true when every score is finite (so every ``acc`` entry is,
+        those of the variables sent whole included).
     """
 
     accs: tuple[tf.Tensor, ...]
@@ -92,6 +108,11 @@ class BlockTopK:
       dense_below: Variables with fewer than this many elements keep all their blocks
         every step (sent whole, no residual), as DGC leaves small layers uncompressed;
         0 (default) compresses every variable.
+
+    Attributes:
+      counts: Per variable, the blocks kept each step.
+      whole: Per variable, true when it is sent whole because of ``dense_below``; the
+        exchanges sum those densely, without block ids or scores.
     """
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
@@ -102,10 +123,12 @@ class BlockTopK:
         self.dense_below = validate_dense_below(dense_below)
         self.metric = metric
         self.layouts = tuple(layouts)
-        self.counts = tuple(
-            lay.num_blocks if lay.size < self.dense_below
+        self.whole: tuple[bool, ...] = tuple(lay.size < self.dense_below
+                                             for lay in self.layouts)
+        self.counts: tuple[int, ...] = tuple(
+            lay.num_blocks if whole
             else selection.num_selected(lay.num_blocks, self.k, self.density)
-            for lay in self.layouts)
+            for lay, whole in zip(self.layouts, self.whole))
 
     def init(self, dtypes: Sequence[tf.DType] | None = None) -> tuple[tf.Tensor, ...]:
         """Zero residuals, one [*shape] tensor per variable."""
@@ -124,8 +147,12 @@ class BlockTopK:
         return Prepared(accs, scores, finite)
 
     def select(self, scores: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:
-        """Top-k block ids [k_v] per variable from (local or globally summed) scores."""
-        return tuple(selection.top_blocks(s, n) for s, n in zip(scores, self.counts))
+        """Top-k block ids [k_v] per variable from (local or globally summed) scores.
+
+        A variable sent whole gets every block id in order, ``range(num_blocks)``.
+        """
+        return tuple(tf.range(n, dtype=tf.int32) if whole else selection.top_blocks(s, n)
+                     for s, n, whole in zip(scores, self.counts, self.whole))
 
     def finish(self, prepared: Prepared, ids: Sequence[tf.Tensor]
                ) -> tuple[Payload, tuple[tf.Tensor, ...]]:
@@ -134,14 +161,10 @@ class BlockTopK:
         Returns:
           ``(payload, new_state)``.
         """
-        values, residuals = [], []
-        for acc, lay, i in zip(prepared.accs, self.layouts, ids):
-            flat = selection.block_flat_indices(i, lay)
-            v = selection.gather_blocks(acc, lay, i, flat)
-            with tf.control_dependencies([v]):  # lets the scatter reuse acc's buffer
-                residuals.append(selection.zero_blocks(acc, lay, i, flat))
-            values.append(v)
-        return Payload(tuple(ids), tuple(values)), tuple(residuals)
+        taken = [take_blocks(acc, lay, i)
+                 for acc, lay, i in zip(prepared.accs, self.layouts, ids)]
+        return (Payload(tuple(ids), tuple(v for v, _ in taken)),
+                tuple(r for _, r in taken))
 
     def compress(self, grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor]
                  ) -> tuple[Payload, tuple[tf.Tensor, ...]]:

@@ -163,8 +163,9 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
                 for r, s in zip(state[d], new_state):
                     r.assign(tf.where(finite, s, r.read_value()))
                 payloads.append(payload)
-        self.payload_bytes = sum(codec.buffer_nbytes(t)
-                                 for t in (*payloads[0].ids, *payloads[0].values))
+        ids_sent = [i for i, whole in zip(payloads[0].ids, comp.whole) if not whole]
+        self.payload_bytes = sum(codec.buffer_nbytes(t)  # no ids for variables sent whole
+                                 for t in (*ids_sent, *payloads[0].values))
         self.dense_bytes = sum(codec.buffer_nbytes(v.values[0]) for v in values)
         results = []
         with tf.device(devices[0]):
