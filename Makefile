@@ -58,33 +58,34 @@ demo: venv data
 BENCH_QUICK = benchmarks/results/quick
 bench: venv data
 	$(PY) launch/project_scaling.py --out=$(BENCH_QUICK)/scaling.json
-	$(PY) launch/bench_convergence.py --epochs=1 --train_samples=6000 --test_samples=2000 \
-		--extra_steps_per_epoch=20 --out=$(BENCH_QUICK)
+	$(PY) launch/bench_convergence.py --models=cnn_small --seeds=0 --epochs=1 \
+		--train_samples=6000 --test_samples=2000 --methods=dense,block_default,block_source \
+		--out=$(BENCH_QUICK)
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) launch/bench_time_to_accuracy.py --models=vgg_fc --bandwidths_mbit=100 \
 			--methods=dense,block_shared,topk --epochs=4 --steps_per_epoch=10 \
-			--sparse_epoch_factor=3 --test_samples=1000 --momentum_masking=waited \
-			--out=$(BENCH_QUICK); \
+			--sparse_epoch_factor=3 --test_samples=1000 --out=$(BENCH_QUICK); \
 	else echo "bench: time to accuracy skipped (needs root for network namespaces)"; fi
 
-# Evidence at the budgets whose results are committed in benchmarks/results/ (~2.5 h).
-# The ResNet-20 time-to-accuracy groups use DGC's momentum masking, the vgg_fc ones "waited".
+# Evidence at the budgets whose results are committed in benchmarks/results/ (~4 h).
+# Convergence runs seed by seed and keeps finished runs (--resume continues an interrupted one).
+BENCH = benchmarks/results
 bench-full: venv data
-	$(PY) launch/project_scaling.py --out=benchmarks/results/scaling.json
-	$(PY) launch/bench_convergence.py --epochs=3 --train_samples=0 --test_samples=0 \
-		--extra_steps_per_epoch=200 --out=benchmarks/results
-	$(PY) launch/bench_convergence.py --epochs=3 --train_samples=0 --test_samples=0 \
-		--extra_steps_per_epoch=200 --methods=block_k1_waited,block_k1_small_dense --resume \
-		--out=benchmarks/results
+	$(PY) launch/project_scaling.py --out=$(BENCH)/scaling.json
+	$(PY) launch/demo.py --out=runs/demo
+	cp runs/demo/results.json $(BENCH)/demo.json
+	cp runs/demo/accuracy_vs_bytes.png $(BENCH)/demo_accuracy_vs_bytes.png
+	$(PY) launch/bench_convergence.py --models=cnn_small --seeds=0,1,2 \
+		--methods=dense,block_default,block_source --resume --out=$(BENCH)
+	$(PY) launch/bench_convergence.py --models=resnet20 --seeds=0,1,2 \
+		--methods=dense,block_default --resume --out=$(BENCH)
+	$(PY) launch/bench_convergence.py --models=cnn_small --seeds=0,1,2 --methods=topk_1pct \
+		--resume --out=$(BENCH)
 	@if [ "$$(id -u)" = "0" ]; then \
-		$(PY) launch/bench_time_to_accuracy.py --models=resnet20 \
-			--bandwidths_mbit=100,1000 --epochs=8 --model_steps_per_epoch=resnet20=50 \
-			--sparse_epoch_factor=4 --density=0.05 --test_samples=2000 \
-			--out=benchmarks/results && \
-		$(PY) launch/bench_time_to_accuracy.py --models=vgg_fc \
+		$(PY) launch/bench_time_to_accuracy.py --models=vgg_fc,resnet20 \
 			--bandwidths_mbit=100,1000 --epochs=8 --steps_per_epoch=15 \
-			--sparse_epoch_factor=4 --density=0.05 --test_samples=2000 \
-			--momentum_masking=waited --resume --out=benchmarks/results; \
+			--model_steps_per_epoch=resnet20=50 --sparse_epoch_factor=4 --density=0.05 \
+			--test_samples=2000 --out=$(BENCH); \
 	else echo "bench-full: time to accuracy skipped (needs root for network namespaces)"; fi
 
 # Micro-benchmarks of single features (each prints one JSON object).

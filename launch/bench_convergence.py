@@ -1,13 +1,18 @@
-"""Convergence at an equal epoch budget: dense vs block k=1 vs block 1% vs element top-k 1%.
+"""Convergence at an equal epoch budget: dense vs the one-line block default vs the literal
+block k=1 configuration vs element top-k 1%, several seeds per model.
 
 Each run is a real ``--num_workers``-process ``MultiWorkerMirroredStrategy`` cluster of
 ``launch/train.py`` on loopback (the network does not matter here: only accuracy is compared)
-on Fashion-MNIST (digits when absent, said so).  ``--model`` (a small CNN by default) runs with
-``--seeds`` seeds per method (mean and sample std of the final test accuracy);
-``--extra_model`` (ResNet-20) runs once, seed 0.  Writes ``OUT/convergence.json`` and
-``OUT/convergence.png`` (test accuracy per epoch, mean over seeds with a +-std band).
+on Fashion-MNIST (digits when absent, said so), with TF op determinism on.  Every model in
+``--models`` runs ``--seeds`` seeds per method for its own number of epochs (the same for every
+method); the test accuracy counts every test image exactly once (``test_correct`` /
+``test_examples`` per seed).  Runs go seed by seed (every method's seed 0 first) and
+``OUT/convergence.json`` is written after every run, so an interrupted bench keeps what
+finished and ``--resume`` continues it (also with more seeds or models);
+``OUT/convergence.png`` shows the test accuracy per epoch, mean over seeds with a +-std band.
 
-    python launch/bench_convergence.py [--epochs=3] [--train_samples=0] [--seeds=0,1,2]
+    python launch/bench_convergence.py [--models=cnn_small,resnet20] [--seeds=0,1,2]
+        [--model_epochs=cnn_small=3,resnet20=5]
 """
 
 from __future__ import annotations
@@ -25,48 +30,55 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import experiments  # noqa: E402
 
 FLAGS = flags.FLAGS
-#: name -> (launch/experiments method, density, extra launch/train.py flags)
-CONV_METHODS = {"dense": ("dense", None, ()), "block_k1": ("block_k1", None, ()),
-                "block_1pct": ("block_allgather", 0.01, ()), "topk_1pct": ("topk", 0.01, ()),
-                "block_k1_waited": ("block_k1", None, ("--momentum_masking=waited",)),
-                "block_k1_small_dense": ("block_k1", None, ("--dense_below=1024",))}
+#: name -> (launch/experiments method, density, extra launch/train.py flags).  Every sparse
+#: method takes the library's defaults for what it does not set.
+CONV_METHODS = {
+    "dense": ("dense", None, ()),
+    # BlockSparseOptimizer(SGD(lr, momentum=0.9)): k=1, momentum before the exchange (DGC
+    # correction), variables under 1,024 elements whole.
+    "block_default": ("block_default", None, ()),
+    # The literal configuration: k=1 on every variable, global momentum after the exchange.
+    "block_source": ("block_k1", None, ("--global_momentum", "--dense_below=0")),
+    # k=1 on every variable with DGC's local momentum (the default without dense_below).
+    "block_k1_dgc": ("block_k1", None, ("--dense_below=0",)),
+    "block_k1_waited": ("block_default", None, ("--momentum_masking=waited",)),
+    "topk_1pct": ("topk", 0.01, ()),
+}
 TARGET_POINTS = 0.003
 
 
 def define_flags() -> None:
     """The script's flags."""
-    flags.DEFINE_string("model", "cnn_small", "Model run with every seed.")
-    flags.DEFINE_string("extra_model", "resnet20", "Model run once with seed 0 ('' to skip).")
-    flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds for --model.")
-    flags.DEFINE_list("methods", ["dense", "block_k1", "block_1pct", "topk_1pct"],
+    flags.DEFINE_list("models", ["cnn_small", "resnet20"], "Models, each run with every seed.")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (model initialisation and data order).")
+    flags.DEFINE_list("methods", ["dense", "block_default", "block_source", "topk_1pct"],
                       f"Methods, of {sorted(CONV_METHODS)}.")
     flags.DEFINE_integer("num_workers", 4, "Worker processes.")
     flags.DEFINE_integer("epochs", 3, "Epochs (the same budget for every method).")
+    flags.DEFINE_list("model_epochs", ["resnet20=5"], "Per-model MODEL=EPOCHS overriding "
+                      "--epochs.")
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full pass).")
-    flags.DEFINE_integer("extra_steps_per_epoch", 0, "Steps-per-epoch cap for --extra_model.")
     flags.DEFINE_integer("batch_size", 128, "Global batch size.")
     flags.DEFINE_integer("train_samples", 0, "Training subset (0: all 60,000).")
     flags.DEFINE_integer("test_samples", 0, "Test subset (0: all 10,000).")
     flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
-    flags.DEFINE_boolean("momentum_correction", True, "Sparse methods keep the momentum per "
-                         "worker before the exchange (DGC); dense uses global momentum.")
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
-    flags.DEFINE_boolean("resume", False, "Keep the rows (model x method) of "
-                         "OUT/convergence.json with the same budget that this run does not "
-                         "compute (e.g. add a method).")
+    flags.DEFINE_boolean("resume", False, "Keep the runs (model x method x seed) of "
+                         "OUT/convergence.json with the same budget (and those of models not "
+                         "in --models); run only the missing ones.")
 
 
-def same_as_k1(model: str, density: float, input_shape: tuple[int, ...] = (28, 28, 1),
-               num_classes: int = 10) -> bool:
-    """Whether ``density`` keeps exactly one block of every variable of ``model`` (then the
-    block-density run is the block k=1 run, step for step)."""
-    import tf_blocksparse as tfbs
-    from models import registry
-
-    m = registry.build_model(model, input_shape, num_classes, seed=0)
-    return all(tfbs.selection.num_selected(lay.num_blocks, density=density) == 1
-               for lay in tfbs.blocks.layouts_for(m.trainable_variables, m))
+def model_epochs(entries: list[str]) -> dict[str, int]:
+    """Parses ``--model_epochs`` entries ``MODEL=EPOCHS`` (EPOCHS >= 1)."""
+    out = {}
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        if not sep or not name or not value.isdigit() or int(value) < 1:
+            raise app.UsageError(f"--model_epochs entries must be MODEL=EPOCHS with EPOCHS >= "
+                                 f"1, got {entry!r}")
+        out[name] = int(value)
+    return out
 
 
 def summarise(model: str, method: str, records: list[dict]) -> dict:
@@ -77,15 +89,28 @@ def summarise(model: str, method: str, records: list[dict]) -> dict:
     return {
         "model": model, "method": method, "seeds": [r["flags"]["seed"] for r in records],
         "final_accuracy": [round(a, 4) for a in finals],
+        "test_correct": [r["test_correct"] for r in records],
+        "test_examples": [r["test_examples"] for r in records],
         "mean": round(statistics.fmean(finals), 4),
         "std": round(statistics.stdev(finals), 4) if len(finals) > 1 else 0.0,
         "curve_mean": [round(statistics.fmean(c[e] for c in curves), 4) for e in range(epochs)],
         "curve_std": [round(statistics.stdev([c[e] for c in curves]), 4) if len(curves) > 1
                       else 0.0 for e in range(epochs)],
+        "epochs": epochs, "steps": records[0]["steps"],
         "bytes_per_step": records[0]["payload_bytes_per_step"],
         "dense_bytes_per_step": records[0]["dense_bytes_per_step"],
         "wall_s": [r["launcher_wall_s"] for r in records],
     }
+
+
+def add_gaps(rows: list[dict]) -> None:
+    """Gap to dense (points, positive = below dense) and byte ratio of every row."""
+    dense = {r["model"]: r["mean"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        r["compression_ratio"] = round(r["dense_bytes_per_step"] / r["bytes_per_step"], 1)
+        if r["model"] in dense:
+            r["gap_to_dense_points"] = round(100 * (dense[r["model"]] - r["mean"]), 2)
+            r["within_0_3_points"] = dense[r["model"]] - r["mean"] <= TARGET_POINTS
 
 
 def _plot(rows: list[dict], path: str, title: str) -> None:
@@ -114,73 +139,92 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def summarise_runs(runs: list[dict], models: list[str]) -> list[dict]:
+    """One summary row per model x method of ``runs`` (seed order), gaps to dense added."""
+    order = list(CONV_METHODS)
+    keys = sorted({(r["model"], r["method"]) for r in runs},
+                  key=lambda k: (models.index(k[0]) if k[0] in models else len(models), k[0],
+                                 order.index(k[1]) if k[1] in order else len(order)))
+    rows = []
+    for model, method in keys:
+        recs = sorted((r for r in runs if (r["model"], r["method"]) == (model, method)),
+                      key=lambda r: r["flags"]["seed"])
+        rows.append(summarise(model, method, recs))
+    add_gaps(rows)
+    return rows
+
+
+def _slim(record: dict) -> dict:
+    keep = ("model", "method", "test_accuracy", "test_loss", "test_correct", "test_examples",
+            "steps", "steps_per_epoch", "payload_bytes_per_step", "dense_bytes_per_step",
+            "launcher_wall_s", "train_s_per_epoch")
+    out = {k: record[k] for k in keep}
+    out["flags"] = {"seed": record["flags"]["seed"]}
+    out["history"] = {"val_accuracy": record["history"].get("val_accuracy", [])}
+    return out
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = FLAGS
-    common = [f"--dataset={f.dataset}", f"--epochs={f.epochs}", f"--batch_size={f.batch_size}",
-              f"--train_samples={f.train_samples}", f"--test_samples={f.test_samples}",
-              f"--lr={f.lr}", f"--momentum_correction={f.momentum_correction}"]
-    plans = [(f.model, [int(s) for s in f.seeds], f.steps_per_epoch)]
-    if f.extra_model:
-        plans.append((f.extra_model, [0], f.extra_steps_per_epoch or f.steps_per_epoch))
     for name in f.methods:
         if name not in CONV_METHODS:
             raise app.UsageError(f"--methods: unknown {name!r}")
-    budget = {"num_workers": f.num_workers, "epochs": f.epochs,
-              "steps_per_epoch": f.steps_per_epoch or "full pass",
-              "extra_steps_per_epoch": f.extra_steps_per_epoch or f.steps_per_epoch or
-              "full pass", "global_batch": f.batch_size,
-              "train_samples": f.train_samples or "all", "test_samples": f.test_samples or "all",
-              "lr": f.lr, "momentum": 0.9, "momentum_correction": f.momentum_correction}
+    overrides = model_epochs(f.model_epochs)
+    seeds = [int(s) for s in f.seeds]
+    common = {"num_workers": f.num_workers, "steps_per_epoch": f.steps_per_epoch or "full pass",
+              "global_batch": f.batch_size, "train_samples": f.train_samples or "all",
+              "test_samples": f.test_samples or "all", "lr": f.lr, "momentum": 0.9,
+              "deterministic": True, "dataset": f.dataset}
     path = os.path.join(f.out, "convergence.json")
-    old_rows = []
+    doc = {"budget": {**common, "epochs": {}}, "records": [], "runs": [],
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
     if f.resume and os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)
-        if old.get("budget") == budget:
-            computed = {(m, name) for m, _, _ in plans for name in f.methods}
-            old_rows = [r for r in old["records"] if (r["model"], r["method"]) not in computed]
+        if {k: v for k, v in old.get("budget", {}).items() if k != "epochs"} == common:
+            epochs_old = old["budget"]["epochs"]
+            for model, n in epochs_old.items():  # a model keeps its runs at the same budget
+                if model not in f.models or overrides.get(model, f.epochs) == n:
+                    doc["budget"]["epochs"][model] = n
+            doc["runs"] = [r for r in old.get("runs", []) if r["model"] in doc["budget"]["epochs"]]
         else:
             print(f"{path}: another budget, nothing kept", flush=True)
-    rows = list(old_rows)
-    for model, seeds, steps in plans:
-        done: dict[str, dict] = {}
-        for name in f.methods:
-            method, density, extra = CONV_METHODS[name]
-            if (name == "block_1pct" and "block_k1" in done
-                    and same_as_k1(model, density)):  # the identical run, not repeated
-                rows.append({**done["block_k1"], "method": name,
-                             "same_run_as": "block_k1 (1% keeps one block of every variable)"})
-                print(json.dumps({"model": model, "method": name, "same_run_as": "block_k1"}),
-                      flush=True)
-                continue
-            recs = []
-            for seed in seeds:
-                rec = experiments.run_training(
-                    method, [f"--model={model}", f"--seed={seed}",
-                             f"--steps_per_epoch={steps}", *common, *extra],
-                    f.num_workers, density or 0.01)
-                recs.append(rec)
+    models_seen = list(dict.fromkeys([*f.models, *doc["budget"]["epochs"]]))
+
+    def write() -> None:
+        doc["records"] = summarise_runs(doc["runs"], models_seen)
+        os.makedirs(f.out, exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1)
+
+    for model in f.models:
+        epochs = overrides.get(model, f.epochs)
+        doc["budget"]["epochs"][model] = epochs
+        args = [f"--dataset={f.dataset}", f"--epochs={epochs}", f"--batch_size={f.batch_size}",
+                f"--train_samples={f.train_samples}", f"--test_samples={f.test_samples}",
+                f"--lr={f.lr}", "--momentum=0.9", f"--steps_per_epoch={f.steps_per_epoch}",
+                f"--model={model}"]
+        for seed in seeds:  # seed-major: an interrupted bench has every method's first seeds
+            for name in f.methods:
+                if any((r["model"], r["method"], r["flags"]["seed"]) == (model, name, seed)
+                       for r in doc["runs"]):
+                    print(f"{model} {name} seed {seed}: kept from {path}", flush=True)
+                    continue
+                method, density, extra = CONV_METHODS[name]
+                rec = experiments.run_training(method, [*args, f"--seed={seed}", *extra],
+                                               f.num_workers, density or 0.01)
+                rec["model"], rec["method"] = model, name
+                doc["runs"].append(_slim(rec))
                 print(json.dumps({"model": model, "method": name, "seed": seed,
-                                  "test_accuracy": round(rec["test_accuracy"], 4)}), flush=True)
-            done[name] = summarise(model, name, recs)
-            rows.append(done[name])
-    dense = {r["model"]: r["mean"] for r in rows if r["method"] == "dense"}
-    for r in rows:
-        if r["model"] in dense:
-            r["gap_to_dense_points"] = round(100 * (dense[r["model"]] - r["mean"]), 2)
-            r["within_0_3_points"] = dense[r["model"]] - r["mean"] <= TARGET_POINTS
-    order = list(CONV_METHODS)
-    rows.sort(key=lambda r: (r["model"] != f.model, r["model"], order.index(r["method"])))
-    doc = {"budget": budget, "records": rows,
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
-    os.makedirs(f.out, exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    _plot(rows, os.path.join(f.out, "convergence.png"),
-          f"{f.num_workers} workers, {f.epochs} epochs, mean +- std over seeds")
-    print(json.dumps(doc))
+                                  "test_accuracy": round(rec["test_accuracy"], 4),
+                                  "test_correct": rec["test_correct"]}), flush=True)
+                write()  # after every run: an interrupted bench keeps what finished
+    write()
+    _plot(doc["records"], os.path.join(f.out, "convergence.png"),
+          f"{f.num_workers} workers, epochs {doc['budget']['epochs']}, mean +- std over seeds")
+    print(json.dumps({k: v for k, v in doc.items() if k != "runs"}))
 
 
 if __name__ == "__main__":

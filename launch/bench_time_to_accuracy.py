@@ -60,17 +60,18 @@ def define_flags() -> None:
     flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
     flags.DEFINE_list("model_lr", ["vgg_fc=0.01"], "Per-model learning rates MODEL=LR "
                       "overriding --lr (vgg_fc has no normalisation; 0.05 oscillates).")
-    flags.DEFINE_enum("momentum_masking", "all", ["all", "waited", "none"], "Sparse methods "
-                      "with --momentum_correction: which sent blocks leave the local momentum "
-                      "(launch/train.py --momentum_masking).")
-    flags.DEFINE_integer("dense_below", 0, "Sparse methods send variables with fewer "
-                         "elements whole (launch/train.py --dense_below).")
+    flags.DEFINE_enum("momentum_masking", "all", ["all", "waited", "none"], "Sparse methods: "
+                      "which sent blocks leave the local momentum (launch/train.py "
+                      "--momentum_masking); one value for every sparse method and model.")
+    flags.DEFINE_integer("dense_below", None, "Sparse methods send variables with fewer "
+                         "elements whole (launch/train.py --dense_below; default: the "
+                         "library's).")
     flags.DEFINE_list("model_steps_per_epoch", [], "Per-model MODEL=STEPS overriding "
                       "--steps_per_epoch (e.g. resnet20=50: its BatchNorm statistics need "
                       "more steps before test accuracy means anything).")
-    flags.DEFINE_boolean("momentum_correction", True, "Sparse methods keep the momentum per "
-                         "worker before the exchange (DGC); dense uses global momentum (the "
-                         "same math for dense).")
+    flags.DEFINE_boolean("global_momentum", False, "Sparse methods apply the momentum after "
+                         "the exchange (launch/train.py --global_momentum); default: the "
+                         "library's, per worker before the exchange.")
     flags.DEFINE_boolean("early_stop", True, "Sparse runs stop once they reach the target "
                          "after at least the dense run's epochs (their final accuracy is then "
                          "taken at >= as many steps as dense's).")
@@ -158,9 +159,14 @@ def main(argv: list[str]) -> None:
               "early_stop": f.early_stop, "global_batch": f.batch_size,
               "train_samples": f.train_samples or "all", "test_samples": f.test_samples,
               "density": f.density, "latency_ms": f.latency_ms, "target_drop": f.target_drop,
-              "momentum": 0.9, "momentum_correction": f.momentum_correction,
-              "momentum_masking": f.momentum_masking, "dataset": f.dataset}
-    if f.dense_below:
+              "momentum": 0.9, "global_momentum": f.global_momentum,
+              "momentum_masking": f.momentum_masking, "dataset": f.dataset,
+              "deterministic": True,
+              "rule": "decided before the run, the same for every method: seed 0; every "
+                      "method evaluated on the same test images after every epoch (each "
+                      "image counted once); target = dense's final accuracy minus "
+                      "target_drop; one momentum masking for every sparse method"}
+    if f.dense_below is not None:
         common["dense_below"] = f.dense_below
 
     def group_budget(model: str) -> dict:
@@ -203,13 +209,15 @@ def main(argv: list[str]) -> None:
                           f"--steps_per_epoch={budget['steps_per_epoch']}",
                           f"--batch_size={f.batch_size}", f"--train_samples={f.train_samples}",
                           f"--test_samples={f.test_samples}", f"--lr={budget['lr']}",
-                          f"--momentum_correction={f.momentum_correction}", "--seed=0"]
+                          "--momentum=0.9", "--seed=0"]
                 if method == "dense":
                     flags_.append(f"--epochs={f.epochs}")
                 else:
                     flags_ += [f"--epochs={f.epochs * f.sparse_epoch_factor}",
-                               f"--dense_below={f.dense_below}",
-                               f"--momentum_masking={f.momentum_masking}"]
+                               f"--momentum_masking={f.momentum_masking}",
+                               f"--global_momentum={f.global_momentum}"]
+                    if f.dense_below is not None:
+                        flags_.append(f"--dense_below={f.dense_below}")
                     if f.early_stop:
                         flags_ += [f"--stop_at_accuracy={target}", f"--min_epochs={f.epochs}"]
                 rec = experiments.run_training(

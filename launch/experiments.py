@@ -24,6 +24,7 @@ TRAIN = os.path.join(ROOT, "launch", "train.py")
 #: Method name -> ``launch/train.py`` flags (``{density}`` filled in by :func:`method_flags`).
 METHODS = {
     "dense": ["--compression=dense"],
+    "block_default": ["--compression=block"],
     "block_allgather": ["--compression=block", "--density={density}", "--exchange=allgather"],
     "block_shared": ["--compression=block", "--density={density}", "--exchange=shared"],
     "block_k1": ["--compression=block", "--k=1", "--exchange=allgather"],
@@ -60,6 +61,7 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
 
     with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
         cmd = [sys.executable, TRAIN, "--strategy=multiworker", f"--model_dir={tmp}",
+               "--deterministic",
                *method_flags(method, density), *train_flags]
         kwargs = {}
         if bandwidth_mbit is not None:
@@ -87,7 +89,8 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
 
 def slim(record: dict) -> dict:
     """The part of a run record kept in the results files (curves, bytes, method, flags)."""
-    keep = ("method", "model", "bandwidth_mbit", "dataset", "test_accuracy", "steps",
+    keep = ("method", "model", "bandwidth_mbit", "dataset", "test_accuracy", "test_correct",
+            "test_examples", "steps",
             "steps_per_epoch", "epochs_trained", "payload_bytes_per_step",
             "dense_bytes_per_step", "train_s_per_epoch", "launcher_wall_s", "num_workers")
     out = {k: record[k] for k in keep if k in record}

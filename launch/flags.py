@@ -66,20 +66,20 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("batch_size", 64, "Global batch size (all workers together).",
                          lower_bound=1, **fv)
     flags.DEFINE_float("lr", 0.05, "Learning rate.", **fv)
-    flags.DEFINE_float("momentum", 0.9, "SGD momentum (global momentum: applied after the "
-                       "exchange).", **fv)
-    flags.DEFINE_boolean("momentum_correction", False, "Sparse methods: local momentum with "
-                         "DGC correction and factor masking (the wrapper's "
-                         "momentum_correction=--momentum) instead of global momentum after "
-                         "the exchange.  Dense is unaffected (the two are the same math).",
-                         **fv)
-    flags.DEFINE_enum("momentum_masking", "all", ["all", "waited", "none"],
-                      "With --momentum_correction: which sent blocks leave the local momentum "
-                      "(all: DGC factor masking; waited: only blocks that had waited; none).",
-                      **fv)
-    flags.DEFINE_integer("dense_below", 0, "Sparse methods: variables with fewer elements "
-                         "are sent whole every step (DGC leaves small layers uncompressed).",
-                         lower_bound=0, **fv)
+    flags.DEFINE_float("momentum", 0.9, "SGD momentum.  Sparse methods keep it per worker "
+                       "before the exchange (DGC correction, the library's default) unless "
+                       "--global_momentum.", **fv)
+    flags.DEFINE_boolean("global_momentum", False, "Sparse methods: apply the momentum after "
+                         "the exchange (the inner SGD's global momentum, the literal form) "
+                         "instead of per worker before it.  Dense is unaffected (the two are "
+                         "the same math).", **fv)
+    flags.DEFINE_enum("momentum_masking", None, ["all", "waited", "none"],
+                      "Sparse methods with local momentum: which sent blocks leave the local "
+                      "momentum (all: DGC factor masking; waited: only blocks that had "
+                      "waited; none).  Default: the library's (all).", **fv)
+    flags.DEFINE_integer("dense_below", None, "Sparse methods: variables with fewer elements "
+                         "are sent whole every step.  Default: the library's (1024); 0 "
+                         "compresses every variable.", lower_bound=0, **fv)
     flags.DEFINE_list("density_warmup", [], "Sparse methods: densities for the first epochs "
                       "(DGC warm-up, e.g. 0.25,0.1); later epochs use --k/--density.", **fv)
     flags.DEFINE_integer("seed", 0, "Seed for model initialisation and data order.", **fv)

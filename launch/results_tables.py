@@ -2,9 +2,11 @@
 
     python launch/results_tables.py [--results=benchmarks/results]
 
-Reads ``time_to_accuracy.json`` and ``convergence.json`` (written by
-``launch/bench_time_to_accuracy.py`` and ``launch/bench_convergence.py``) and prints one table
-each, plus the budget lines; a missing file is reported and skipped.
+Reads ``time_to_accuracy.json``, ``convergence.json`` and ``demo.json`` (written by
+``launch/bench_time_to_accuracy.py``, ``launch/bench_convergence.py`` and ``launch/demo.py``)
+and prints one table each, plus the budget lines; a missing file is reported and skipped.
+The README's result tables sit between ``<!-- table: FILE -->`` and ``<!-- /table -->``
+markers and must equal these tables (``tests/test_results_files.py`` checks it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     """The script's flags."""
     flags.DEFINE_string("results", "benchmarks/results", "Directory of the results files.")
+    flags.DEFINE_string("update_readme", None, "Also rewrite the marked tables of this "
+                        "README (between <!-- table: FILE --> and <!-- /table -->) in place.")
 
 
 def _fmt(value: float | None, spec: str, missing: str = "not reached") -> str:
@@ -48,30 +52,72 @@ def time_to_accuracy_table(doc: dict) -> str:
 
 def convergence_table(doc: dict) -> str:
     """One row per model x method (``convergence.json``): mean +- std over seeds."""
-    lines = ["| model | method | seeds | test acc mean | std | gap to dense (points) | "
-             "within 0.3 points | bytes/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | method | seeds | epochs | test acc per seed | mean | std | "
+             "gap to dense (points) | within 0.3 points | bytes/step | vs dense bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["records"]:
+        per_seed = " / ".join(f"{a:.4f}" for a in r["final_accuracy"])
+        ratio = r["dense_bytes_per_step"] / r["bytes_per_step"]
         lines.append(
-            f"| {r['model']} | {r['method']} | {len(r['seeds'])} | {r['mean']:.4f} | "
+            f"| {r['model']} | {r['method']} | {len(r['seeds'])} | {r.get('epochs', '-')} | "
+            f"{per_seed} | {r['mean']:.4f} | "
             f"{r['std']:.4f} | {r.get('gap_to_dense_points', 0.0):+.2f} | "
-            f"{'yes' if r.get('within_0_3_points') else 'no'} | {r['bytes_per_step']:,} |")
+            f"{'yes' if r.get('within_0_3_points') else 'no'} | {r['bytes_per_step']:,} | "
+            f"{ratio:.1f}x |")
     return "\n".join(lines)
+
+
+def demo_table(doc: dict) -> str:
+    """One row per method of the main job (``demo.json``, from ``launch/demo.py``)."""
+    lines = ["| method | test acc | correct / test images | bytes/step/worker | ratio | wall s |",
+             "|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['method']} | {r['test_accuracy']:.4f} | "
+            f"{r['test_correct']:,} / {r['test_examples']:,} | "
+            f"{r['payload_bytes_per_step']:,} | {r['compression_ratio']:.1f}x | "
+            f"{r['wall_s']:.1f} |")
+    return "\n".join(lines)
+
+
+#: Results file -> its table.
+TABLES = {"time_to_accuracy.json": time_to_accuracy_table,
+          "convergence.json": convergence_table, "demo.json": demo_table}
+
+
+def update_readme(text: str, results: str) -> str:
+    """``text`` with every ``<!-- table: FILE -->`` block replaced by FILE's table."""
+    parts = text.split("<!-- table: ")
+    out = [parts[0]]
+    for part in parts[1:]:
+        name, _, rest = part.partition(" -->")
+        if name not in TABLES or "<!-- /table -->" not in rest:
+            raise ValueError(f"README: unknown or unclosed table marker {name!r}")
+        with open(os.path.join(results, name)) as fh:
+            table = TABLES[name](json.load(fh))
+        tail = rest.split("<!-- /table -->", 1)[1]
+        out.append(f"{name} -->\n{table}\n<!-- /table -->{tail}")
+    return "<!-- table: ".join(out)
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    for name, table in (("time_to_accuracy.json", time_to_accuracy_table),
-                        ("convergence.json", convergence_table)):
+    for name, table in TABLES.items():
         path = os.path.join(FLAGS.results, name)
         if not os.path.exists(path):
             print(f"{path}: missing (run `make bench-full`)\n", file=sys.stderr)
             continue
         with open(path) as fh:
             doc = json.load(fh)
-        print(f"### {name}\n\nbudget: {json.dumps(doc['budget'])}\n")
+        budget = doc.get("budget", {k: v for k, v in doc.items() if k != "results"})
+        print(f"### {name}\n\nbudget: {json.dumps(budget)}\n")
         print(table(doc) + "\n")
+    if FLAGS.update_readme:
+        with open(FLAGS.update_readme) as fh:
+            text = fh.read()
+        with open(FLAGS.update_readme, "w") as fh:
+            fh.write(update_readme(text, FLAGS.results))
 
 
 if __name__ == "__main__":

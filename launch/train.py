@@ -50,27 +50,28 @@ def make_strategy(name: str, num_devices: int):
 
 
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
-                   exchange: str, lr: float, momentum: float,
-                   momentum_correction: bool = False, dense_below: int = 0,
-                   momentum_masking: str = "all"):
-    """SGD(momentum) inside the wrapper that ``--compression`` asks for.
+                   exchange: str, lr: float, momentum: float, global_momentum: bool = False,
+                   dense_below: int | None = None, momentum_masking: str | None = None):
+    """``BlockSparseOptimizer(SGD(lr, momentum))`` as ``--compression`` asks, with the
+    library's defaults for every option left ``None`` / ``False``.
 
-    With ``momentum_correction`` the sparse methods keep the momentum per replica before
-    the exchange (DGC) and the inner SGD has none; dense keeps the global momentum.
+    ``global_momentum`` keeps the momentum in the inner SGD, after the exchange (the literal
+    form); by default the sparse methods move it before the exchange (DGC correction).
     """
     import keras
 
     import tf_blocksparse as tfbs
 
+    inner = keras.optimizers.SGD(lr, momentum=momentum)
     if compression == "dense":
-        return tfbs.BlockSparseOptimizer(keras.optimizers.SGD(lr, momentum=momentum),
-                                         exchange="dense")
-    local = momentum_correction and momentum > 0
-    inner = keras.optimizers.SGD(lr, momentum=0.0 if local else momentum)
-    extra = ({"momentum_correction": momentum, "momentum_masking": momentum_masking}
-             if local else {})
-    if dense_below:
+        return tfbs.BlockSparseOptimizer(inner, exchange="dense")
+    extra: dict = {}
+    if global_momentum:
+        extra["momentum_correction"] = None
+    if dense_below is not None:
         extra["dense_below"] = dense_below
+    if momentum_masking is not None:
+        extra["momentum_masking"] = momentum_masking
     if compression == "topk":
         return tfbs.BlockSparseOptimizer(inner, k=k, density=density if k else density or 0.01,
                                          metric=metric, exchange=exchange,
@@ -190,7 +191,7 @@ def run(argv_flags=FLAGS) -> dict:
     with strategy.scope():
         model = registry.build_model(f.model, arrays.input_shape, arrays.num_classes, seed=f.seed)
         opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, f.lr,
-                             f.momentum, f.momentum_correction, f.dense_below,
+                             f.momentum, f.global_momentum, f.dense_below,
                              f.momentum_masking)
         if sequence:
             from models import nmt

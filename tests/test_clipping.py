@@ -188,8 +188,9 @@ def _replica_apply(strategy, opt, var, grads_per_replica):
     step()
 
 
-@pytest.mark.parametrize("exchange, kwargs", [("dense", {}), ("allgather", {"density": 1.0}),
-                                              ("shared", {"density": 1.0})])
+@pytest.mark.parametrize("exchange, kwargs", [
+    ("dense", {}), ("allgather", {"density": 1.0, "dense_below": 0}),
+    ("shared", {"density": 1.0, "dense_below": 0})])
 def test_clipping_is_per_replica_before_the_exchange(mirrored2, exchange, kwargs):
     g0 = np.array([[3.0, 4.0], [0.0, 0.0]], "float32")  # norm 5
     g1 = np.array([[0.0, 0.0], [0.3, 0.4]], "float32")  # norm 0.5
@@ -213,7 +214,7 @@ def test_clipping_is_per_replica_before_the_exchange(mirrored2, exchange, kwargs
 def test_per_replica_state_and_nonfinite_skip(mirrored2):
     with mirrored2.scope():
         var = keras.Variable(np.zeros((3,), "float32"))
-        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1,
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, dense_below=0,
                                         clipping=clip.MomentumClip(warmup_steps=1))
         opt.build([var])
     state = opt.clip_states[0][0]

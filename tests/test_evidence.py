@@ -17,8 +17,9 @@ def _record(method, accs, times, final=None, payload=1000, dense=8000):
             "history": {"val_accuracy": accs}, "train_s_per_epoch": times,
             "test_accuracy": accs[-1] if final is None else final,
             "payload_bytes_per_step": payload, "dense_bytes_per_step": dense,
-            "launcher_wall_s": times[-1] + 5, "steps_per_epoch": 10,
-            "flags": {"seed": 0}}
+            "launcher_wall_s": times[-1] + 5, "steps_per_epoch": 10, "steps": 10 * len(accs),
+            "test_correct": round(1000 * (accs[-1] if final is None else final)),
+            "test_examples": 1000, "flags": {"seed": 0}}
 
 
 def test_time_to_target_and_speedup():
@@ -45,6 +46,14 @@ def test_convergence_summary():
     row = bench_convergence.summarise("cnn_small", "dense", recs)
     assert row["mean"] == pytest.approx(0.81) and row["std"] == pytest.approx(0.0141, abs=1e-4)
     assert row["curve_mean"] == [0.55, 0.81]
+    assert row["test_correct"] == [800, 820] and row["test_examples"] == [1000, 1000]
+    block = bench_convergence.summarise("cnn_small", "block_default", [
+        _record("block_default", [0.5, 0.8], [1.0, 2.0], payload=100)] * 2)
+    rows = [row, block]
+    bench_convergence.add_gaps(rows)
+    assert block["gap_to_dense_points"] == pytest.approx(1.0)
+    assert block["compression_ratio"] == 80.0 and not block["within_0_3_points"]
+    assert row["within_0_3_points"] and row["gap_to_dense_points"] == 0.0
 
 
 def test_method_flags_reject_unknown():
@@ -57,19 +66,22 @@ def test_method_flags_reject_unknown():
 def test_convergence_end_to_end_schema(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_convergence.py"),
            "--num_workers=2", "--dataset=digits", "--epochs=1", "--seeds=0",
-           "--methods=dense,block_k1", "--extra_model=", f"--out={tmp_path}"]
+           "--models=cnn_small", "--model_epochs=", "--methods=dense,block_default",
+           f"--out={tmp_path}"]
     subprocess.run(cmd, check=True, timeout=600, cwd=ROOT, capture_output=True)
     doc = json.loads((tmp_path / "convergence.json").read_text())
-    assert {r["method"] for r in doc["records"]} == {"dense", "block_k1"}
+    assert {r["method"] for r in doc["records"]} == {"dense", "block_default"}
     for r in doc["records"]:
         assert 0.0 <= r["mean"] <= 1.0 and r["bytes_per_step"] > 0
+        assert r["test_examples"] == [360]  # digits' test set, every image once
+        assert r["final_accuracy"] == [round(r["test_correct"][0] / 360, 4)]
         assert isinstance(r["within_0_3_points"], bool)
     assert (tmp_path / "convergence.png").stat().st_size > 0
     # --resume adds a method and keeps the rows of the same budget
-    subprocess.run([*cmd[:-1], "--methods=block_k1_waited", "--resume", f"--out={tmp_path}"],
+    subprocess.run([*cmd[:-2], "--methods=block_source", "--resume", f"--out={tmp_path}"],
                    check=True, timeout=600, cwd=ROOT, capture_output=True)
     again = json.loads((tmp_path / "convergence.json").read_text())
-    assert [r["method"] for r in again["records"]] == ["dense", "block_k1", "block_k1_waited"]
+    assert [r["method"] for r in again["records"]] == ["dense", "block_default", "block_source"]
     assert again["records"][:2] == doc["records"]
     assert "gap_to_dense_points" in again["records"][2]
 

@@ -51,11 +51,13 @@ def _reference(n, mode, k=None, density=None, granularity="block", masking="all"
     ("shared", {"k": 1, "dense_below": 100, "masking": "waited"})])
 def test_matches_numpy_reference(mirrored2, mode, kwargs):
     masking = kwargs.pop("masking", "all")
+    dense_below = kwargs.pop("dense_below", 0)  # 0: every variable compressed
     model, opt = _train(mirrored2, exchange=mode, momentum_correction=MOMENTUM,
-                        momentum_masking=masking, **kwargs)
-    want_w, want_r, want_u = _reference(2, mode, masking=masking, **kwargs)
+                        momentum_masking=masking, dense_below=dense_below, **kwargs)
+    want_w, want_r, want_u = _reference(2, mode, masking=masking, dense_below=dense_below,
+                                        **kwargs)
     if masking == "waited":  # the case really keeps some momentum DGC's masking drops
-        dgc_u = _reference(2, mode, masking="all", **kwargs)[2]
+        dgc_u = _reference(2, mode, masking="all", dense_below=dense_below, **kwargs)[2]
         assert any(not np.array_equal(a, b) for ra, rb in zip(want_u, dgc_u)
                    for a, b in zip(ra, rb))
     for got, want in zip(model.trainable_variables, want_w):
@@ -68,7 +70,7 @@ def test_matches_numpy_reference(mirrored2, mode, kwargs):
                                            want[replica][i], rtol=2e-5, atol=2e-6)
     # the velocities differ between replicas (local momentum), and sent blocks are masked;
     # under dense_below=100 only the Dense kernel (index 2) is compressed
-    i = 2 if "dense_below" in kwargs else 0
+    i = 2 if dense_below else 0
     assert not np.array_equal(opt.velocities[i].value.values[0].numpy(),
                               opt.velocities[i].value.values[1].numpy())
 
@@ -110,9 +112,10 @@ def test_without_masking_density_one_is_momentum_sgd(mirrored2, mode):
     """Every block sent every step and the momentum kept whole: global momentum SGD's
     weights; with DGC's factor masking the momentum is lost instead (plain SGD)."""
     unmasked, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM,
-                         momentum_masking="none")
+                         momentum_masking="none", dense_below=0)
     plain, _ = _train(mirrored2, inner_momentum=MOMENTUM, exchange="dense")
-    masked, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM)
+    masked, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM,
+                       dense_below=0)
     no_momentum, _ = _train(mirrored2, exchange="dense")
     for a, b, c, d in zip(unmasked.trainable_variables, plain.trainable_variables,
                           masked.trainable_variables, no_momentum.trainable_variables):
@@ -126,7 +129,7 @@ def test_without_masking_density_one_is_momentum_sgd(mirrored2, mode):
 def test_waited_masking_at_density_one_is_momentum_sgd(mirrored2, mode):
     """Every block is sent every step, none ever waits: nothing is masked."""
     waited, _ = _train(mirrored2, exchange=mode, density=1.0, momentum_correction=MOMENTUM,
-                       momentum_masking="waited")
+                       momentum_masking="waited", dense_below=0)
     plain, _ = _train(mirrored2, inner_momentum=MOMENTUM, exchange="dense")
     for a, b in zip(waited.trainable_variables, plain.trainable_variables):
         np.testing.assert_allclose(a.value.values[0].numpy(), b.value.values[0].numpy(),

@@ -48,7 +48,7 @@ def test_dense_exchange_is_bit_identical_to_plain_sgd(mirrored2):
 @pytest.mark.parametrize("mode", ["allgather", "shared"])
 def test_replica_weights_identical_residuals_differ(mirrored2, mode):
     model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), k=1, exchange=mode))
+        keras.optimizers.SGD(0.05, momentum=0.9), k=1, exchange=mode, dense_below=0))
     for v in model.trainable_variables:
         a, b = (t.numpy() for t in v.value.values)
         assert np.array_equal(a, b), v.path
@@ -67,15 +67,15 @@ def test_replica_weights_identical_residuals_differ(mirrored2, mode):
 
 def test_block_sparse_training_reduces_loss(mirrored2):
     _, _, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), density=0.25), epochs=6)
+        keras.optimizers.SGD(0.05, momentum=0.9), density=0.25, dense_below=0), epochs=6)
     loss = hist.history["loss"]
     assert loss[-1] < loss[0] * 0.9, loss
 
 
 def test_keras_save_load_round_trip(mirrored2, tmp_path):
     model, opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), density=0.5, metric="l2", exchange="shared"),
-        epochs=1)
+        keras.optimizers.SGD(0.05, momentum=0.9), density=0.5, metric="l2", exchange="shared",
+        momentum_correction=None, dense_below=0), epochs=1)
     path = os.path.join(tmp_path, "m.keras")
     model.save(path)
     with mirrored2.scope():
@@ -143,7 +143,8 @@ def test_embedding_indexed_slices(mirrored2):
     data = (rng.integers(0, 50, (64, 5)).astype("int32"), rng.integers(0, 4, 64).astype("int32"))
     before = model_fn().get_weights()[0]
     model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.1), k=2), model_fn=model_fn, data=data, epochs=1)
+        keras.optimizers.SGD(0.1), k=2, dense_below=0), model_fn=model_fn, data=data,
+        epochs=1)
     emb_layout = opt.layouts[0]
     assert emb_layout.rule.name == "row" and emb_layout.num_blocks == 50
     changed = np.flatnonzero(np.any(model.get_weights()[0] != before, axis=1))
@@ -182,7 +183,8 @@ def _custom_loop(strategy, opt_fn, poison_replica=None, steps=2):
 @pytest.mark.parametrize("mode", ["allgather", "shared", "dense"])
 def test_nonfinite_gradient_skips_step_on_every_replica(mirrored2, mode):
     model, opt, train = _custom_loop(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode), poison_replica=1)
+        keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode, dense_below=0,
+        momentum_correction=None), poison_replica=1)
     _assert_poisoned_step_is_skipped(model, opt, train)
 
 
@@ -201,9 +203,13 @@ def _assert_poisoned_step_is_skipped(model, opt, train):
     """One step with replica 1's first gradient NaN leaves everything as it was."""
     weights = [[t.numpy() for t in v.value.values] for v in model.trainable_variables]
     residuals = [[t.numpy() for t in r.value.values] for r in opt.residuals]
+    velocities = [[t.numpy() for t in u.value.values] for u in opt.velocities]
     moments = [v.numpy() for v in opt.inner_optimizer.variables]
     it = int(opt.iterations.numpy())
     train(tf.constant(True))
+    for u, before in zip(opt.velocities, velocities):  # local momentum (the default) too
+        for t, b in zip(u.value.values, before):
+            assert np.array_equal(t.numpy(), b)
     for v, before in zip(model.trainable_variables, weights):
         for t, b in zip(v.value.values, before):
             assert np.array_equal(t.numpy(), b)
@@ -239,7 +245,7 @@ def test_payload_bytes_with_whole_variables(mirrored2, mode, dense_below):
 def test_no_strategy_custom_loop_and_loss_scale_outside():
     model = _cnn()
     opt = keras.optimizers.LossScaleOptimizer(tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.1), k=2))
+        keras.optimizers.SGD(0.1), k=2, dense_below=0))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True))
     hist = model.fit(*_xy(), batch_size=16, epochs=3, verbose=0)
@@ -251,7 +257,8 @@ def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path):
     x, y = _xy()
     with mirrored2.scope():
         model = _cnn()
-        model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1),
+        model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1,
+                                                          dense_below=0),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     cb = tfbs.BlockSparseMetrics(log_dir=str(tmp_path))
     hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
@@ -285,8 +292,8 @@ def test_optimizer_finds_layer_classes_of_renamed_layers():
 
 def test_element_granularity_is_elementwise_topk(mirrored2):
     model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), density=0.05, granularity="element"),
-        epochs=1)
+        keras.optimizers.SGD(0.05, momentum=0.9), density=0.05, granularity="element",
+        dense_below=0), epochs=1)
     m = opt.block_sparse_metrics()
     # ceil(5% of each variable's elements): 54 -> 3, 6 -> 1, 864 -> 44, 4 -> 1; int32 id each.
     kept = 3 + 1 + 44 + 1

@@ -87,7 +87,9 @@ def _run_reference(n, mode, k=None, density=None, metric="l1", dense_below=0):
 @pytest.mark.parametrize("metric", ["l1", "l2"])
 def test_matches_numpy_reference(mirrored2, mode, metric):
     kwargs = {"density": 0.5} if metric == "l2" else {"k": 1}
-    model, opt = _run_distributed(mirrored2, exchange=mode, metric=metric, **kwargs)
+    # the reference: every variable compressed, global momentum in the inner SGD
+    model, opt = _run_distributed(mirrored2, exchange=mode, metric=metric, dense_below=0,
+                                  momentum_correction=None, **kwargs)
     want_w, want_r = _run_reference(2, mode, metric=metric, **kwargs)
     for got, want in zip(model.trainable_variables, want_w):
         for replica_value in got.value.values:
@@ -103,7 +105,8 @@ def test_matches_numpy_reference(mirrored2, mode, metric):
 @pytest.mark.parametrize("mode", ["allgather", "shared", "dense"])
 def test_fusion_groups_do_not_change_the_result(mirrored2, mode):
     """Per-group packing is the same math: weights match the single-buffer reference."""
-    model, opt = _run_distributed(mirrored2, exchange=mode, k=1, fusion_buffer_bytes=600)
+    model, opt = _run_distributed(mirrored2, exchange=mode, k=1, fusion_buffer_bytes=600,
+                                  dense_below=0, momentum_correction=None)
     want_w, want_r = _run_reference(2, mode, k=1)
     for got, want in zip(model.trainable_variables, want_w):
         np.testing.assert_allclose(got.value.values[0].numpy(), want, rtol=2e-5, atol=2e-6)
@@ -140,7 +143,7 @@ def _collectives(strategy, **opt_kwargs) -> tuple[collections.Counter, keras.Mod
 def test_each_fusion_group_has_its_own_collectives(mirrored2):
     from tf_blocksparse.planning import TensorSpec, execution_order, plan_balanced
 
-    ops, model = _collectives(mirrored2, k=1, fusion_buffer_bytes=600)
+    ops, model = _collectives(mirrored2, k=1, fusion_buffer_bytes=600, dense_below=0)
     specs = [TensorSpec(v.path, 4 * int(np.prod(v.shape))) for v in model.trainable_variables]
     groups = plan_balanced(specs, 600, execution_order(len(specs))).groups
     assert len(groups) > 1
@@ -167,7 +170,8 @@ def test_whole_variables_take_one_dense_all_reduce(mirrored2, mode, dense_below,
 def test_dense_below_sends_small_variables_whole(mirrored2, mode):
     """dense_below=100: the 72-element conv kernel and every bias go whole (no residual),
     the 320-element Dense kernel keeps one block; weights match the NumPy reference."""
-    model, opt = _run_distributed(mirrored2, exchange=mode, k=1, dense_below=100)
+    model, opt = _run_distributed(mirrored2, exchange=mode, k=1, dense_below=100,
+                                  momentum_correction=None)
     want_w, want_r = _run_reference(2, mode, k=1, dense_below=100)
     for got, want in zip(model.trainable_variables, want_w):
         np.testing.assert_allclose(got.value.values[0].numpy(), want, rtol=2e-5, atol=2e-6)
@@ -186,8 +190,10 @@ def test_dense_below_sends_small_variables_whole(mirrored2, mode):
 
 @pytest.mark.parametrize("mode", ["allgather", "shared"])
 def test_dense_below_above_every_size_equals_dense_exchange(mirrored2, mode):
-    model, opt = _run_distributed(mirrored2, exchange=mode, k=1, dense_below=10**6)
-    dense, _ = _run_distributed(mirrored2, exchange="dense")
+    # both with global momentum in the inner SGD
+    model, opt = _run_distributed(mirrored2, exchange=mode, k=1, dense_below=10**6,
+                                  momentum_correction=None)
+    dense, _ = _run_distributed(mirrored2, exchange="dense", momentum_correction=None)
     for a, b in zip(model.trainable_variables, dense.trainable_variables):
         np.testing.assert_allclose(a.value.values[0].numpy(), b.value.values[0].numpy(),
                                    rtol=1e-6, atol=1e-7)

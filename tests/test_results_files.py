@@ -57,11 +57,16 @@ def test_time_to_accuracy_file():
 def test_convergence_file():
     doc = _load("convergence.json")
     rows = doc["records"]
-    assert {"dense", "block_k1", "block_1pct", "topk_1pct"} <= {r["method"] for r in rows}
+    assert {"dense", "block_default", "block_source"} <= {r["method"] for r in rows}
     for r in rows:
         assert 0.0 <= r["mean"] <= 1.0 and r["std"] >= 0.0
-        assert len(r["final_accuracy"]) == len(r["seeds"]) >= 1
+        assert len(r["final_accuracy"]) == len(r["seeds"]) == len(r["test_correct"]) \
+            == len(r["test_examples"]) >= 1
+        for acc, correct, n in zip(r["final_accuracy"], r["test_correct"], r["test_examples"]):
+            assert n == 10_000 and acc == round(correct / n, 4)  # every test image once
         assert isinstance(r["within_0_3_points"], bool)
+        assert {"mean", "std", "bytes_per_step", "dense_bytes_per_step",
+                "gap_to_dense_points"} <= set(r)
     main = [r for r in rows if r["model"] == doc["records"][0]["model"]]
     assert all(len(r["seeds"]) >= 3 for r in main)
     assert len(results_tables.convergence_table(doc).splitlines()) == len(rows) + 2
@@ -76,3 +81,36 @@ def test_scaling_file(key):
     for p in doc["projections"]:
         assert 0.0 < p["efficiency_no_overlap"] <= p["efficiency_overlap"] <= 1.0
         assert p["workers"] in doc["workers"] and p["bandwidth_gbit"] in doc["bandwidths_gbit"]
+
+
+def _readme_tables() -> dict[str, list[str]]:
+    """README blocks between ``<!-- table: FILE -->`` and ``<!-- /table -->``, per file."""
+    readme = os.path.join(os.path.dirname(RESULTS), "..", "README.md")
+    with open(readme) as fh:
+        text = fh.read()
+    blocks: dict[str, list[str]] = {}
+    for part in text.split("<!-- table: ")[1:]:
+        name, _, rest = part.partition(" -->")
+        assert "<!-- /table -->" in rest, f"README: table {name} is not closed"
+        blocks.setdefault(name, []).append(rest.split("<!-- /table -->")[0].strip())
+    return blocks
+
+
+def test_readme_tables_equal_the_committed_results():
+    blocks = _readme_tables()
+    assert set(blocks) == set(results_tables.TABLES), sorted(blocks)
+    for name, found in blocks.items():
+        expected = results_tables.TABLES[name](_load(name)).strip()
+        for block in found:
+            assert block == expected, f"README table of {name} differs from " \
+                f"`python launch/results_tables.py`:\n{block}\n--- expected ---\n{expected}"
+
+
+def test_demo_file():
+    doc = _load("demo.json")
+    rows = {r["method"]: r for r in doc["results"]}
+    assert set(rows) == {"dense", "block default", "block literal"}
+    for r in rows.values():
+        assert r["test_examples"] == 10_000 and r["num_workers"] == 2
+        assert r["test_accuracy"] == r["test_correct"] / r["test_examples"]
+    assert doc["deterministic"] and doc["test_samples"] == 0

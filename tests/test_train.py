@@ -55,6 +55,28 @@ def test_helpfull_documents_every_flag():
         assert name in out.stdout, name
 
 
+def test_optimizer_flags_follow_the_library_defaults():
+    import keras
+
+    import tf_blocksparse as tfbs
+    from launch.train import make_optimizer
+
+    lib = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
+    fv = _flag_values()
+    opt = make_optimizer(fv.compression, fv.k, fv.density, fv.metric, fv.exchange, fv.lr,
+                         fv.momentum, fv.global_momentum, fv.dense_below, fv.momentum_masking)
+    for key in ("k", "density", "metric", "exchange", "momentum_correction", "dense_below",
+                "momentum_masking", "granularity"):
+        assert getattr(opt, key) == getattr(lib, key), key
+    assert opt.momentum_correction == 0.9 and opt.inner_optimizer.momentum == 0.0
+    fv = _flag_values("--global_momentum", "--dense_below=0")
+    literal = make_optimizer(fv.compression, fv.k, fv.density, fv.metric, fv.exchange, fv.lr,
+                             fv.momentum, fv.global_momentum, fv.dense_below,
+                             fv.momentum_masking)
+    assert literal.momentum_correction is None and literal.inner_optimizer.momentum == 0.9
+    assert literal.dense_below == 0
+
+
 def test_two_worker_cluster_trains_and_writes_metrics(tmp_path):
     rc = run_local_cluster([*TRAIN, "--compression=block", "--k=1", "--epochs=3",
                             f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300)
@@ -99,13 +121,29 @@ def _check_saved_model(path, metrics):
     assert got["loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
 
 
+def test_deterministic_rerun_reproduces_the_accuracy(tmp_path):
+    """--deterministic: two runs of the same 2-worker job give the same figures, bit for bit."""
+    records = []
+    for run in ("a", "b"):
+        rc = run_local_cluster([*TRAIN, "--epochs=2", "--steps_per_epoch=6", "--deterministic",
+                                "--seed=3", f"--model_dir={tmp_path / run}"], 2, env=ENV,
+                               timeout_s=300)
+        assert rc == 0
+        records.append(json.loads((tmp_path / run / "metrics.json").read_text()))
+    a, b = records
+    for key in ("test_correct", "test_loss", "test_examples"):
+        assert a[key] == b[key], key
+    assert a["history"]["val_loss"] == b["history"]["val_loss"]
+    assert a["history"]["loss"] == b["history"]["loss"]
+
+
 def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
     """--stop_at_accuracy: every worker sees the same reduced val_accuracy and stops after
     the same epoch (a worker that went on alone would hang the cluster); momentum correction
     (with "waited" masking) and a density warm-up (every worker re-traces its step at the
     same epoch) run under MultiWorkerMirroredStrategy."""
     rc = run_local_cluster([*TRAIN, "--compression=block", "--density=0.1",
-                            "--momentum_correction", "--momentum_masking=waited",
+                            "--momentum_masking=waited",
                             "--density_warmup=0.5", "--epochs=6", "--steps_per_epoch=5",
                             "--stop_at_accuracy=0.01", "--min_epochs=2",
                             f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300)
@@ -113,7 +151,7 @@ def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["epochs_trained"] == 2 and m["steps"] == 10
     assert len(m["history"]["val_accuracy"]) == 2
-    assert m["flags"]["momentum_correction"] is True
+    assert m["flags"]["global_momentum"] is False
     sent = m["history"]["payload_bytes"]
     assert sent[0] > sent[1] == m["payload_bytes_per_step"], sent
 
@@ -130,7 +168,7 @@ def test_one_failing_worker_fails_the_run_quickly(tmp_path, capsys):
 
 def test_kill_and_resume_restores_residual_sum(tmp_path):
     args = [*TRAIN, "--epochs=3", "--save_freq=5", f"--model_dir={tmp_path}",
-            "--compression=block", "--k=1"]
+            "--compression=block", "--k=1", "--dense_below=0"]  # every residual non-zero
     rc = run_local_cluster([*args, "--fail_at_step=30", "--fail_worker=1"], 2, env=ENV,
                            timeout_s=300, grace_s=3)
     assert rc == 17  # killed mid-epoch 2 (22 steps per epoch per worker)

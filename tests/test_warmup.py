@@ -28,8 +28,8 @@ def test_density_one_epoch_trains_like_plain_sgd(mirrored2, mode):
     """Epoch 0 at density 1.0 sends everything: the weights match plain SGD(momentum)."""
     plain, _, _ = _fit(mirrored2, lambda: keras.optimizers.SGD(0.1, momentum=0.9), [], 1)
     ours, opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode),
-        [tfbs.DensityWarmup([1.0])], 1)
+        keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode, dense_below=0,
+        momentum_correction=None), [tfbs.DensityWarmup([1.0])], 1)
     for a, b in zip(plain.get_weights(), ours.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     for r in opt.residuals:  # nothing was held back
@@ -39,7 +39,7 @@ def test_density_one_epoch_trains_like_plain_sgd(mirrored2, mode):
 
 def test_densities_switch_per_epoch_and_residuals_carry_over(mirrored2):
     opt_fn = lambda: tfbs.BlockSparseOptimizer(  # noqa: E731
-        keras.optimizers.SGD(0.05), k=1, momentum_correction=0.9)
+        keras.optimizers.SGD(0.05), k=1, momentum_correction=0.9, dense_below=0)
     warm = tfbs.DensityWarmup([1.0, 0.5])
     model, opt, hist = _fit(mirrored2, opt_fn, [tfbs.BlockSparseMetrics(), warm], 4)
     sent = hist.history["payload_bytes"]
@@ -78,7 +78,9 @@ def test_switching_density_between_traces_matches_numpy_reference(mirrored2):
     schedule = [(None, 0.5)] * (STEPS // 2) + [(1, None)] * (STEPS - STEPS // 2)
     with mirrored2.scope():
         model = _model()
-        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM), k=1)
+        # the reference: every variable compressed, global momentum in the inner SGD
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM), k=1,
+                                        dense_below=0, momentum_correction=None)
         opt.build(model.trainable_variables)
 
     def make_train():

@@ -18,8 +18,9 @@ from tf_blocksparse.distribute.hybrid import HybridTrainer
 from tf_blocksparse.distribute.pipeline import PipelineTrainer
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, Payload
-from tf_blocksparse.keras.backup import BackupAndRestore
+from tf_blocksparse.keras.backup import BackupAndRestore, save_model
 from tf_blocksparse.keras.callbacks import BlockSparseMetrics
+from tf_blocksparse.keras.evaluation import EvalResult, ExactValidation, evaluate_exactly
 from tf_blocksparse.keras.hybrid_split import find_boundary, split_model
 from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 from tf_blocksparse.keras.profiler import profile_model
@@ -28,9 +29,9 @@ from tf_blocksparse.keras.warmup import DensityWarmup
 __all__ = [
     "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseCrossDeviceOps",
     "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "DensityWarmup", "ElementTopK",
-    "FusedCrossDeviceOps", "HybridTrainer", "MultiWorkerMirroredStrategy", "Payload",
-    "PipelineTrainer",
-    "block_table", "clipping", "find_boundary", "format_block_table", "planning",
-    "profile_model", "split_model",
+    "EvalResult", "ExactValidation", "FusedCrossDeviceOps", "HybridTrainer",
+    "MultiWorkerMirroredStrategy", "Payload", "PipelineTrainer",
+    "block_table", "clipping", "evaluate_exactly", "find_boundary", "format_block_table",
+    "planning", "profile_model", "save_model", "split_model",
 ]
 __version__ = "0.1.0"

@@ -8,10 +8,12 @@ context with the replica's own, un-aggregated gradients)::
     residual = acc with the selected blocks zeroed          # per-replica state
     inner.apply(summed update)                               # identical on every replica
 
-The inner optimizer's own all-reduce is switched off (the wrapper's exchange replaces it),
-so with ``SGD(momentum=m)`` inside, this is the source text's *global momentum*.  Keras
-options of the inner optimizer (``clipnorm``, ``weight_decay``, EMA) therefore act on the
-exchanged update, not per replica.
+The inner optimizer's own all-reduce is switched off (the wrapper's exchange replaces it).
+With ``SGD(momentum=m)`` inside and a sparse exchange, the momentum is by default moved
+*before* the exchange (``momentum_correction="auto"``: DGC's local momentum with factor
+masking); ``momentum_correction=None`` keeps it in the inner SGD, applied to the exchanged
+update (*global momentum*).  Keras options of the inner optimizer (``clipnorm``,
+``weight_decay``, EMA) act on the exchanged update, not per replica.
 
 Non-finite gradients (``nonfinite="skip"``, the default): if any replica's accumulated
 gradient holds an inf or NaN, every replica skips the step: weights, inner optimizer state,
@@ -37,6 +39,8 @@ from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.optimizer_args import (
+    AUTO,
+    DENSE_BELOW,
     GRANULARITIES,
     NONFINITE,
     densify,
@@ -84,14 +88,17 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
       clipping: Optional rule or list of rules of :mod:`tf_blocksparse.clipping`, applied
         to each replica's local gradient of each variable before error feedback and the
         exchange (their state is per replica and saved with the optimizer).
-      momentum_correction: Optional momentum in [0, 1) kept *per replica before* the
-        exchange, with DGC's momentum correction and factor masking (Lin et al., ICLR
-        2018): ``u = m u + grad`` goes through error feedback and selection in place of
-        ``grad``, and the blocks a replica sent are zeroed in its ``u`` too.  The inner
-        optimizer must then have no momentum of its own (plain ``SGD``).  Without it the
-        inner ``SGD(momentum=m)`` applies the source text's global momentum after the
-        exchange, which with aggressive sparsification can release residuals late into a
-        running velocity and oscillate; with ``exchange="dense"`` the two are the same math.
+      momentum_correction: Where the momentum lives.  ``"auto"`` (default): with an inner
+        ``SGD(momentum=m)`` (not Nesterov) and a sparse exchange, ``m`` is moved before the
+        exchange as below and the inner SGD's momentum is set to 0; otherwise as ``None``.
+        A float ``m`` in [0, 1): momentum kept *per replica before* the exchange, with
+        DGC's momentum correction and factor masking (Lin et al., ICLR 2018): ``u = m u +
+        grad`` goes through error feedback and selection in place of ``grad``, and the
+        blocks a replica sent are zeroed in its ``u`` too; the inner optimizer must then
+        have no momentum of its own.  ``None``: no local momentum; an inner
+        ``SGD(momentum=m)`` applies *global* momentum to the exchanged update, which with
+        aggressive sparsification releases residuals late into a running velocity and can
+        oscillate or collapse.  With ``exchange="dense"`` the two are the same math.
       momentum_masking: With ``momentum_correction``, which sent blocks are zeroed in the
         local momentum: ``"all"`` (DGC's factor masking, default); ``"none"`` keeps the
         momentum whole (every block receives momentum SGD's total update, only later; a
@@ -99,11 +106,11 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         momentum away); ``"waited"`` zeroes only blocks that had waited (a non-zero
         residual before this step), so blocks sent step after step keep their momentum
         and a block released after a wait does not carry its burst on.
-      dense_below: Optional size in elements: variables smaller than this are sent whole
-        every step (all their blocks; no residual), as DGC leaves small layers
-        uncompressed.  E.g. a 10-class ``Dense`` kernel has only 10 blocks, so ``k`` or any
-        density below 10% would update one class per step.  Default: compress every
-        variable.
+      dense_below: Size in elements: variables smaller than this are sent whole every
+        step (a dense sum, no residual), as DGC leaves small layers uncompressed.  E.g. a
+        10-class ``Dense`` kernel has only 10 blocks, so ``k=1`` would update one class per
+        step.  Default 1024 (biases, normalisation vectors, first convolutions, small
+        heads); 0 compresses every variable.
       name: Optimizer name.
     """
 
@@ -112,8 +119,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
                  exchange: str = "allgather", nonfinite: str = "skip",
                  block_rules: Mapping[str, str] | None = None, model: Any = None,
                  granularity: str = "block", fusion_buffer_bytes: int | None = None,
-                 clipping: Any = None, momentum_correction: float | None = None,
-                 dense_below: int | None = None, momentum_masking: str = "all",
+                 clipping: Any = None, momentum_correction: float | str | None = AUTO,
+                 dense_below: int | None = DENSE_BELOW, momentum_masking: str = "all",
                  name: str | None = None, **kwargs: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
@@ -355,6 +362,10 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None
                     ) -> BlockSparseOptimizer:
         config = dict(config)
+        # Files from before these defaults changed hold the behaviour they were saved with:
+        # no key means global momentum and every variable compressed.
+        config.setdefault("momentum_correction", None)
+        config.setdefault("dense_below", 0)
         inner = keras.saving.deserialize_keras_object(config.pop("inner"),
                                                       custom_objects=custom_objects)
         return cls(inner, **config)

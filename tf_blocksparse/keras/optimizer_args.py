@@ -21,6 +21,11 @@ from tf_blocksparse.feedback import (
 from tf_blocksparse.keras.optimizer_step import MASKINGS
 
 NONFINITE = ("skip", "apply")
+#: Default of ``dense_below``: variables with fewer elements are sent whole every step
+#: (biases, normalisation vectors, first convolutions, small classifier heads).
+DENSE_BELOW = 1024
+#: Default of ``momentum_correction``: move an inner SGD's momentum before the exchange.
+AUTO = "auto"
 GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
 
 
@@ -56,6 +61,22 @@ def densify(g: Any, v: Any) -> tf.Tensor:
     return tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
 
 
+def auto_momentum(inner: keras.optimizers.Optimizer, exchange: str) -> float | None:
+    """What ``momentum_correction="auto"`` becomes: the inner SGD's momentum, moved.
+
+    With a sparse exchange and an inner ``SGD(momentum=m)`` (not Nesterov) the momentum is
+    kept per replica before the exchange (``m``) and the inner SGD's own is set to 0.  With
+    any other inner optimizer, Nesterov, or the dense exchange (where both forms are the
+    same math) nothing moves: ``None``.
+    """
+    m = float(getattr(inner, "momentum", 0.0) or 0.0)
+    if exchange == "dense" or not isinstance(inner, keras.optimizers.SGD) or m <= 0.0 \
+            or getattr(inner, "nesterov", False) or not m < 1.0:
+        return None
+    inner.momentum = 0.0  # read by SGD.build: no momentum slots, the wrapper keeps them
+    return m
+
+
 def check_momentum_correction(value: Any, inner: keras.optimizers.Optimizer
                                ) -> float | None:
     """Validates ``momentum_correction``; returns it as a float (``None``: off)."""
@@ -63,7 +84,8 @@ def check_momentum_correction(value: Any, inner: keras.optimizers.Optimizer
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"`momentum_correction` must be a float in [0, 1), got {value!r}")
+        raise ValueError(f"`momentum_correction` must be 'auto', None or a float in [0, 1), "
+                         f"got {value!r}")
     inner_momentum = float(getattr(inner, "momentum", 0.0) or 0.0)
     if value and inner_momentum:
         raise ValueError(f"`momentum_correction` keeps the momentum per replica before the "
@@ -109,7 +131,9 @@ def validate_arguments(inner: Any, k: Any, density: Any, metric: Any, exchange: 
     for rule in (block_rules or {}).values():
         blocks._as_rule(rule, "block_rules")
     rules = clipping_lib.as_rules(clipping)
-    momentum_correction = check_momentum_correction(momentum_correction, inner)
+    auto = isinstance(momentum_correction, str) and momentum_correction == AUTO
+    if not auto:
+        momentum_correction = check_momentum_correction(momentum_correction, inner)
     dense_below = validate_dense_below(dense_below)
     if momentum_masking not in MASKINGS:
         raise ValueError(f"`momentum_masking` must be one of {MASKINGS}, got "
@@ -118,4 +142,6 @@ def validate_arguments(inner: Any, k: Any, density: Any, metric: Any, exchange: 
     if kwargs:
         raise ValueError(f"BlockSparseOptimizer does not take {sorted(kwargs)}; set them "
                          "on the inner optimizer")
+    if auto:  # last: it changes the inner optimizer, so only once every check passed
+        momentum_correction = auto_momentum(inner, exchange)
     return k, density, rules, momentum_correction, dense_below

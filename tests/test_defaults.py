@@ -1,0 +1,104 @@
+"""The one-line default: momentum moved before the exchange, small variables whole; files
+saved before these defaults keep the behaviour they were saved with."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import tf_blocksparse as tfbs
+from tf_blocksparse.keras.optimizer_args import DENSE_BELOW
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def test_inner_sgd_momentum_moves_before_the_exchange():
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
+    assert opt.momentum_correction == pytest.approx(0.9)
+    assert opt.inner_optimizer.momentum == 0.0
+    assert opt.dense_below == DENSE_BELOW == 1024 and opt.k == 1
+    assert opt.momentum_masking == "all"
+
+
+@pytest.mark.parametrize("inner,exchange", [
+    (lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), "allgather"),
+    (lambda: keras.optimizers.SGD(0.05, momentum=0.9), "dense"),
+    (lambda: keras.optimizers.Adam(1e-3), "shared"),
+    (lambda: keras.optimizers.SGD(0.05), "allgather"),
+])
+def test_nothing_moves_where_it_would_not_be_the_same_method(inner, exchange):
+    opt = tfbs.BlockSparseOptimizer(inner(), exchange=exchange)
+    assert opt.momentum_correction is None
+
+
+def test_global_momentum_stays_available():
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                    momentum_correction=None, dense_below=0)
+    assert opt.momentum_correction is None and opt.inner_optimizer.momentum == 0.9
+    again = tfbs.BlockSparseOptimizer.from_config(opt.get_config())
+    assert again.momentum_correction is None and again.inner_optimizer.momentum == 0.9
+
+
+def test_a_failed_check_leaves_the_inner_optimizer_alone():
+    inner = keras.optimizers.SGD(0.05, momentum=0.9)
+    with pytest.raises(ValueError, match="`metric`"):
+        tfbs.BlockSparseOptimizer(inner, metric="l3")
+    assert inner.momentum == 0.9
+
+
+def test_config_round_trip_keeps_the_resolved_default():
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
+    again = tfbs.BlockSparseOptimizer.from_config(opt.get_config())
+    assert again.momentum_correction == pytest.approx(0.9)
+    assert again.inner_optimizer.momentum == 0.0 and again.dense_below == 1024
+
+
+def test_config_without_the_new_keys_means_the_old_behaviour():
+    config = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                       momentum_correction=None).get_config()
+    del config["momentum_correction"], config["dense_below"]
+    old = tfbs.BlockSparseOptimizer.from_config(config)
+    assert old.momentum_correction is None and old.inner_optimizer.momentum == 0.9
+    assert old.dense_below == 0
+
+
+def test_model_saved_by_version_0_1_0_loads_with_its_behaviour():
+    model = keras.saving.load_model(os.path.join(DATA, "model_v0_1_0.keras"))
+    opt = model.optimizer
+    assert isinstance(opt, tfbs.BlockSparseOptimizer)
+    assert opt.momentum_correction is None and opt.inner_optimizer.momentum == 0.9
+    assert opt.dense_below == 0 and opt.k == 1
+    saved = np.load(os.path.join(DATA, "model_v0_1_0_residuals.npz"))
+    for r, key in zip(opt.residuals, saved.files):
+        np.testing.assert_array_equal(r.numpy(), saved[key])
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 6, 6, 1)).astype("float32")
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(x, rng.integers(0, 3, 8), batch_size=8, epochs=1, verbose=0)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_default_equals_its_explicit_form(mirrored2):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 6, 6, 1)).astype("float32")
+    y = rng.integers(0, 3, 64)
+
+    def train(make_opt):
+        with mirrored2.scope():
+            keras.utils.set_random_seed(2)
+            model = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(40, 3),
+                                      keras.layers.Flatten(), keras.layers.Dense(3)])
+            model.compile(optimizer=make_opt(), loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    default = train(lambda: tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)))
+    explicit = train(lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.05), momentum_correction=0.9, dense_below=1024))
+    literal = train(lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), momentum_correction=None, dense_below=0))
+    for a, b in zip(default, explicit):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.allclose(a, b) for a, b in zip(default, literal))
