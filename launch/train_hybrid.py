@@ -164,7 +164,9 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
 
     ops = None
     if strategy is None:
-        ops = tfbs.BlockSparseCrossDeviceOps(**compression) if compression else None
+        # every variable compressed, as HybridTrainer's per-layer exchange does
+        ops = (tfbs.BlockSparseCrossDeviceOps(**{"dense_below": 0, **compression})
+               if compression else None)
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     with strategy.scope():

@@ -133,13 +133,13 @@ def test_residuals_checkpoint_round_trip_and_restore_before_first_step(tmp_path)
     rng = np.random.default_rng(0)
     grads = [[rng.standard_normal((3, 4)).astype("float32"),
               rng.standard_normal(4).astype("float32")] for _ in range(2)]
-    strategy, ops = _strategy("ops", k=1, metric="l2")
+    strategy, ops = _strategy("ops", k=1, metric="l2", dense_below=0)
     out = _reduce_batch(strategy, grads)
     saved = [[r.numpy() for r in dev] for dev in next(iter(ops.residuals.values()))]
     assert any(np.abs(r).sum() > 0 for dev in saved for r in dev)
     path = tf.train.Checkpoint(residuals=ops.state).write(str(tmp_path / "ckpt"))
     # a fresh ops object restores before its residuals exist; they take the values on creation
-    strategy2, ops2 = _strategy("ops", k=1, metric="l2", exchange="allgather")
+    strategy2, ops2 = _strategy("ops", k=1, metric="l2", exchange="allgather", dense_below=0)
     assert ops2 is not ops and not ops2.residuals
     tf.train.Checkpoint(residuals=ops2.state).read(path).assert_existing_objects_matched()
     zeros = [[np.zeros_like(g) for g in rep] for rep in grads]
@@ -155,7 +155,7 @@ def test_residuals_checkpoint_round_trip_and_restore_before_first_step(tmp_path)
 
 
 def test_nonfinite_gradients_leave_residuals_and_reach_the_optimizer():
-    strategy, ops = _strategy("ops", k=1, metric="l1", exchange="shared")
+    strategy, ops = _strategy("ops", k=1, metric="l1", exchange="shared", dense_below=0)
     rng = np.random.default_rng(1)
     grads = [[rng.standard_normal((3, 4)).astype("float32"),
               rng.standard_normal(4).astype("float32")] for _ in range(2)]

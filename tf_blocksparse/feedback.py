@@ -45,6 +45,12 @@ def validate_k_density(k: int | None, density: float | None) -> tuple[int | None
     return 1, None
 
 
+#: Default ``dense_below`` of the optimizer wrapper and the CrossDeviceOps: variables with
+#: fewer elements (biases, normalisation vectors, first convolutions, small heads) are sent
+#: whole every step.  The core compressors themselves default to 0 (compress everything).
+DEFAULT_DENSE_BELOW = 1024
+
+
 def validate_dense_below(dense_below: int | None) -> int:
     """Checks the small-variable threshold (elements); ``None`` means 0 (compress all).
 

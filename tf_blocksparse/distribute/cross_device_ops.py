@@ -34,6 +34,7 @@ import tensorflow as tf
 from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse.distribute.batches import is_gradient_batch
 from tf_blocksparse.feedback import (
+    DEFAULT_DENSE_BELOW,
     BlockTopK,
     ElementTopK,
     validate_dense_below,
@@ -64,13 +65,13 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
       block_rules: Optional ``{path regex: rule name}`` overrides.
       granularity: ``"block"`` or ``"element"`` (element-wise top-k baseline).
       dense_below: Gradients with fewer elements than this are sent whole (see
-        ``BlockSparseOptimizer``); 0 compresses all.
+        ``BlockSparseOptimizer``); default 1024, 0 compresses all.
     """
 
     def __init__(self, k: int | None = None, density: float | None = None,
                  metric: str = "l1", exchange: str = "allgather", model: Any = None,
                  block_rules: Mapping[str, str] | None = None, granularity: str = "block",
-                 dense_below: int = 0):
+                 dense_below: int = DEFAULT_DENSE_BELOW):
         self.k, self.density = validate_k_density(k, density)
         self.dense_below = validate_dense_below(dense_below)
         if metric not in selection.METRICS:

@@ -13,6 +13,7 @@ from tf_blocksparse import blocks, selection
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse import exchange as exchange_lib
 from tf_blocksparse.feedback import (
+    DEFAULT_DENSE_BELOW,
     BlockTopK,
     ElementTopK,
     validate_dense_below,
@@ -21,9 +22,8 @@ from tf_blocksparse.feedback import (
 from tf_blocksparse.keras.optimizer_step import MASKINGS
 
 NONFINITE = ("skip", "apply")
-#: Default of ``dense_below``: variables with fewer elements are sent whole every step
-#: (biases, normalisation vectors, first convolutions, small classifier heads).
-DENSE_BELOW = 1024
+#: Default of ``dense_below`` (see :data:`tf_blocksparse.feedback.DEFAULT_DENSE_BELOW`).
+DENSE_BELOW = DEFAULT_DENSE_BELOW
 #: Default of ``momentum_correction``: move an inner SGD's momentum before the exchange.
 AUTO = "auto"
 GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
