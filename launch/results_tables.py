@@ -53,7 +53,7 @@ def time_to_accuracy_table(doc: dict) -> str:
 def convergence_table(doc: dict) -> str:
     """One row per model x method (``convergence.json``): mean +- std over seeds."""
     lines = ["| model | method | seeds | epochs | test acc per seed | mean | std | "
-             "gap to dense (points) | within 0.3 points | bytes/step | vs dense bytes |",
+             "points below dense | within 0.3 points | bytes/step | vs dense bytes |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["records"]:
         per_seed = " / ".join(f"{a:.4f}" for a in r["final_accuracy"])
