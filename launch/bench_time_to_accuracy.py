@@ -127,6 +127,8 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
         out.append({
             "model": r["model"], "bandwidth_mbit": r["bandwidth_mbit"], "method": r["method"],
             "target_accuracy": round(target, 4), "lr": r.get("flags", {}).get("lr"),
+            "evaluation": "exact", "test_correct": r.get("test_correct"),
+            "test_examples": r.get("test_examples"),
             "momentum_masking": (None if r["method"] == "dense"
                                  else r.get("flags", {}).get("momentum_masking")),
             "time_to_target_s": t, "final_accuracy": round(r["test_accuracy"], 4),

@@ -33,14 +33,15 @@ def _fmt(value: float | None, spec: str, missing: str = "not reached") -> str:
 
 def time_to_accuracy_table(doc: dict) -> str:
     """One row per model x bandwidth x method (``time_to_accuracy.json``)."""
-    lines = ["| model | link | method | lr | masking | final acc | target | time to target s | "
-             "s/step | bytes/step | vs dense bytes | speedup vs dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | link | method | evaluation | lr | masking | final acc | target | "
+             "time to target s | s/step | bytes/step | vs dense bytes | speedup vs dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["records"]:
         ratio = r["dense_bytes_per_step"] / r["bytes_per_step"]
         speed = _fmt(r["speedup_vs_dense"], ".2f")
         lines.append(
             f"| {r['model']} | {r['bandwidth_mbit']:g} Mbit/s | {r['method']} | "
+            f"{r.get('evaluation', 'miscounted')} | "
             f"{_fmt(r.get('lr'), 'g', '-')} | {r.get('momentum_masking') or '-'} | "
             f"{r['final_accuracy']:.3f} | "
             f"{r['target_accuracy']:.3f} | "
