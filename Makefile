@@ -79,8 +79,10 @@ bench-full: venv data
 		--methods=dense,block_default,block_source --resume --out=$(BENCH)
 	$(PY) launch/bench_convergence.py --models=resnet20 --seeds=0,1,2 \
 		--methods=dense,block_default --resume --out=$(BENCH)
-	$(PY) launch/bench_convergence.py --models=cnn_small --seeds=0,1,2 --methods=topk_1pct \
-		--resume --out=$(BENCH)
+	$(PY) launch/bench_convergence.py --models=cnn_small --seeds=0,1,2 \
+		--methods=topk_1pct,block_k1_dgc,block_k1_waited --resume --out=$(BENCH)
+	$(PY) launch/bench_convergence.py --models=resnet20 --seeds=0,1,2 \
+		--methods=block_k1_waited --resume --out=$(BENCH)
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) launch/bench_time_to_accuracy.py --models=vgg_fc,resnet20 \
 			--bandwidths_mbit=100,1000 --epochs=8 --steps_per_epoch=15 \
