@@ -126,13 +126,13 @@ def train_dataset(arrays: Arrays, global_batch: int, num_workers: int, worker_in
 def eval_kwargs(model: str) -> dict:
     """Keyword arguments of ``evaluate_exactly`` / ``ExactValidation`` for ``model``.
 
-    Sequence models count non-PAD target tokens with a per-token cross-entropy and report
-    ``token_accuracy``; image models use the compiled loss and ``accuracy``.
+    Sequence models count non-PAD target tokens with a per-token cross-entropy; image models
+    use the compiled loss (no arguments).
     """
     from models import registry
 
     if not registry.is_sequence_model(model):
-        return {"metric_name": "accuracy"}
+        return {}
     import keras
 
     from models import nmt
@@ -140,4 +140,4 @@ def eval_kwargs(model: str) -> dict:
     def token_ce(y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
         return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
 
-    return {"metric_name": "token_accuracy", "loss": token_ce, "ignore_label": nmt.PAD}
+    return {"loss": token_ce, "ignore_label": nmt.PAD}

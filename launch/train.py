@@ -221,15 +221,19 @@ def run(argv_flags=FLAGS) -> dict:
     clock = epoch_clock()
     callbacks.append(clock)
     eval_kwargs = pipeline.eval_kwargs(f.model)
+    validation = None
     if f.validate:  # first: later callbacks (stop, TensorBoard, History) read its figures
-        callbacks.insert(0, ExactValidation(*arrays.test, batch_size=f.eval_batch_size,
-                                            verbose=chief, **eval_kwargs))
+        validation = ExactValidation(
+            *arrays.test, batch_size=f.eval_batch_size, verbose=chief,
+            metric_name="token_accuracy" if sequence else "accuracy", **eval_kwargs)
+        callbacks.insert(0, validation)
     t0 = time.perf_counter()
     hist = model.fit(train_ds, epochs=f.epochs, steps_per_epoch=steps, callbacks=callbacks,
                      shuffle=False, verbose=2 if chief else 0)
     wall = time.perf_counter() - t0
-    kwargs = {k: v for k, v in eval_kwargs.items() if k != "metric_name"}
-    results = evaluate_exactly(model, *arrays.test, batch_size=f.eval_batch_size, **kwargs)
+    # the last epoch's evaluation is of these very weights; evaluate only if none ran
+    results = validation.last if validation is not None and validation.last else \
+        evaluate_exactly(model, *arrays.test, batch_size=f.eval_batch_size, **eval_kwargs)
     m = opt.block_sparse_metrics()
     if f.model_dir:  # every worker takes part (reading residuals is a collective)
         save_model(model, os.path.join(f.model_dir, "model.keras"))

@@ -177,15 +177,15 @@ def evaluate_exactly(model: keras.Model, x: Any, y: Any, batch_size: int = 256,
     Raises:
       ValueError: Mismatched or empty inputs, bad ``batch_size``, no usable loss.
     """
-    y = np.asarray(y)
-    _check_inputs(x, y, batch_size)
-    loss_fn = per_unit_loss(model.loss if loss is None else loss)
+    source = model.loss if loss is None else loss
     strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    # Keyed by the loss as given (``Loss.call`` is a new bound method on every access), so a
+    # callback evaluating every epoch reuses one traced step; the evaluator keeps it alive.
     cache = model.__dict__.setdefault("_tfbs_exact_evaluators", {})
-    key = (id(strategy), id(loss_fn), ignore_label)
+    key = (id(strategy), id(source), ignore_label)
     if key not in cache:
-        cache[key] = _Evaluator(model, strategy, loss_fn, ignore_label)
-    return cache[key](x, y, batch_size)
+        cache[key] = _Evaluator(model, strategy, per_unit_loss(source), ignore_label)
+    return cache[key](x, np.asarray(y), batch_size)  # checks the inputs first
 
 
 class ExactValidation(keras.callbacks.Callback):
