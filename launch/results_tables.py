@@ -5,8 +5,9 @@
 Reads ``time_to_accuracy.json``, ``convergence.json`` and ``demo.json`` (written by
 ``launch/bench_time_to_accuracy.py``, ``launch/bench_convergence.py`` and ``launch/demo.py``)
 and prints one table each, plus the budget lines; a missing file is reported and skipped.
-The README's result tables sit between ``<!-- table: FILE -->`` and ``<!-- /table -->``
-markers and must equal these tables (``tests/test_results_files.py`` checks it).
+The result tables of ``docs/results.md`` sit between ``<!-- table: FILE -->`` and
+``<!-- /table -->`` markers and must equal these tables (``tests/test_results_files.py``
+checks it; ``--update_readme=docs/results.md`` rewrites them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def define_flags() -> None:
     """The script's flags."""
     flags.DEFINE_string("results", "benchmarks/results", "Directory of the results files.")
     flags.DEFINE_string("update_readme", None, "Also rewrite the marked tables of this "
-                        "README (between <!-- table: FILE --> and <!-- /table -->) in place.")
+                        "document (e.g. docs/results.md; between <!-- table: FILE --> and "
+                        "<!-- /table -->) in place.")
 
 
 def _fmt(value: float | None, spec: str, missing: str = "not reached") -> str:

@@ -84,14 +84,14 @@ def test_scaling_file(key):
 
 
 def _readme_tables() -> dict[str, list[str]]:
-    """README blocks between ``<!-- table: FILE -->`` and ``<!-- /table -->``, per file."""
-    readme = os.path.join(os.path.dirname(RESULTS), "..", "README.md")
+    """docs/results.md blocks between ``<!-- table: FILE -->`` and ``<!-- /table -->``."""
+    readme = os.path.join(os.path.dirname(RESULTS), "..", "docs", "results.md")
     with open(readme) as fh:
         text = fh.read()
     blocks: dict[str, list[str]] = {}
     for part in text.split("<!-- table: ")[1:]:
         name, _, rest = part.partition(" -->")
-        assert "<!-- /table -->" in rest, f"README: table {name} is not closed"
+        assert "<!-- /table -->" in rest, f"docs/results.md: table {name} is not closed"
         blocks.setdefault(name, []).append(rest.split("<!-- /table -->")[0].strip())
     return blocks
 
@@ -102,7 +102,7 @@ def test_readme_tables_equal_the_committed_results():
     for name, found in blocks.items():
         expected = results_tables.TABLES[name](_load(name)).strip()
         for block in found:
-            assert block == expected, f"README table of {name} differs from " \
+            assert block == expected, f"docs/results.md table of {name} differs from " \
                 f"`python launch/results_tables.py`:\n{block}\n--- expected ---\n{expected}"
 
 
