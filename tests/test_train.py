@@ -189,3 +189,34 @@ def test_kill_and_resume_restores_residual_sum(tmp_path):
     for i, key in enumerate(r0.files):
         assert np.any(stored[i] != 0)
         np.testing.assert_array_equal(r0[key] + r1[key], stored[i])
+
+
+def test_epoch_clock_counts_training_steps_only():
+    """Work after an epoch's last step (evaluation, a checkpoint that reads per-replica state
+    through a collective) is not training time, whichever callback runs it and wherever the
+    clock sits in ``callbacks``."""
+    import keras
+
+    from launch.train import epoch_clock
+
+    now = [0.0]
+
+    class Step(keras.callbacks.Callback):  # every training step "takes" 1 s
+        def on_train_batch_begin(self, batch, logs=None):
+            now[0] += 1.0
+
+    class SlowEpochEnd(keras.callbacks.Callback):  # an evaluation that "takes" 100 s
+        def on_epoch_end(self, epoch, logs=None):
+            now[0] += 100.0
+
+    x = np.zeros((12, 3), "float32")
+    y = np.zeros((12, 1), "float32")
+    for order in ("before", "after"):
+        now[0] = 0.0
+        clock = epoch_clock(timer=lambda: now[0])
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        callbacks = [Step(), SlowEpochEnd(), clock] if order == "before" else \
+            [Step(), clock, SlowEpochEnd()]
+        model.fit(x, y, batch_size=4, epochs=2, callbacks=callbacks, verbose=0, shuffle=False)
+        assert clock.train_s == [3.0, 6.0], order
