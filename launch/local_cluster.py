@@ -198,8 +198,13 @@ class _Worker:
         env: Mapping[str, str],
         log_path: str | None,
         emit: _Emitter,
+        label: str | None = None,
+        watch: str | None = None,
     ) -> None:
         self.index = index
+        self.label = label or f"worker {index}"
+        self.watch = watch
+        self.seen = threading.Event()  # set once a line starting with ``watch`` arrives
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_KEEP)
         self._emit = emit
         self._log = open(log_path, "w", encoding="utf-8") if log_path else None
@@ -228,10 +233,12 @@ class _Worker:
     def _pump(self) -> None:
         """Reads the worker's merged stdout/stderr until EOF."""
         assert self.proc.stdout is not None
-        prefix = f"[worker {self.index}] "
+        prefix = f"[{self.label}] "
         try:
             for raw in self.proc.stdout:
                 line = raw.rstrip("\r\n")
+                if self.watch is not None and line.startswith(self.watch):
+                    self.seen.set()
                 self.tail.append(line)
                 self._emit(prefix + line)
                 if self._log is not None:

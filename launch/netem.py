@@ -237,6 +237,29 @@ def _check_positive(name: str, value: float | None, allow_zero: bool) -> float |
     return value
 
 
+def _check_pairs(pair_mbit: Sequence[Sequence[float]] | None,
+                 num_workers: int) -> tuple[tuple[float, ...], ...] | None:
+    """Validates a per-pair rate matrix (diagonal ignored, stored as 0)."""
+    if pair_mbit is None:
+        return None
+    try:
+        rows = [list(r) for r in pair_mbit]
+    except TypeError:
+        raise ValueError("pair_mbit must be a square matrix (list of lists) of Mbit/s") \
+            from None
+    k = len(rows)
+    if not 2 <= k <= num_workers or any(len(r) != k for r in rows):
+        raise ValueError(f"pair_mbit must be a k x k matrix with 2 <= k <= num_workers="
+                         f"{num_workers}, got row lengths {[len(r) for r in rows]}")
+    out = []
+    for i, row in enumerate(rows):
+        vals = []
+        for j, v in enumerate(row):
+            vals.append(0.0 if i == j else _check_positive(f"pair_mbit[{i}][{j}]", v, False))
+        out.append(tuple(vals))
+    return tuple(out)
+
+
 class NetworkCluster:
     """Per-worker network namespaces on one shaped bridge (a context manager).
 
@@ -246,6 +269,12 @@ class NetworkCluster:
             ``None``: unshaped.
         latency_ms: One-way delay added to every packet a worker sends (needs netem); the
             round trip between two workers grows by twice this.  0 or ``None``: none.
+        pair_mbit: Per-pair link rates instead of one rate per worker: ``pair_mbit[i][j]``
+            (Mbit/s, > 0 off the diagonal) is the rate of what worker ``i`` sends to worker
+            ``j`` (an HTB class per destination on ``i``'s ``eth0``, chosen by destination
+            address).  A ``k x k`` matrix with ``k < num_workers`` shapes only the links among
+            workers ``0..k-1``; traffic to or from the others (e.g. a client process) is not
+            shaped.  Exclusive with ``bandwidth_mbit``.
         prefix: Namespace-name prefix; default ``tfbs<pid>-<n>-`` (unique in this process,
             recognised by :func:`cleanup_stale`).
         subnet: IPv4 network of the worker addresses (worker ``i`` gets its ``i+1``-th host);
@@ -266,12 +295,17 @@ class NetworkCluster:
         prefix: str | None = None,
         subnet: str | None = None,
         handle_signals: bool = True,
+        pair_mbit: Sequence[Sequence[float]] | None = None,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         self.num_workers = num_workers
         self.bandwidth_mbit = _check_positive("bandwidth_mbit", bandwidth_mbit, False)
         self.latency_ms = _check_positive("latency_ms", latency_ms, True) or 0.0
+        self.pair_mbit = _check_pairs(pair_mbit, num_workers)
+        if self.pair_mbit is not None and self.bandwidth_mbit is not None:
+            raise ValueError("pass either bandwidth_mbit (one rate per worker link) or "
+                             "pair_mbit (one rate per pair of workers), not both")
         if prefix is None:
             prefix = f"{PREFIX_ROOT}{os.getpid()}-{next(_SEQ)}-"
         if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
@@ -400,8 +434,12 @@ class NetworkCluster:
             _run([ip, "-n", ns, "addr", "add",
                   f"{self.worker_address(i)}/{self.subnet.prefixlen}", "dev", "eth0"])
             _run([ip, "-n", ns, "link", "set", "eth0", "up"])
-            self._shape(tc, ns, "eth0", self.latency_ms)
-            self._shape(tc, br, port, 0.0)
+            if self.pair_mbit is None:
+                self._shape(tc, ns, "eth0", self.latency_ms)
+                self._shape(tc, br, port, 0.0)
+        if self.pair_mbit is not None:
+            for i in range(self.num_workers):
+                self._shape_pairs(tc, i)
 
     def _add_namespace(self, ns: str) -> None:
         self._created.append(ns)  # before creating: a half-made one is removed too
@@ -426,6 +464,35 @@ class NetworkCluster:
                       *netem])
         elif latency_ms > 0:
             _run([*base, "qdisc", "add", "dev", dev, "root", "handle", "1:", *netem])
+
+    def _shape_pairs(self, tc: str, index: int) -> None:
+        """One HTB class per destination on worker ``index``'s ``eth0`` (per-pair rates).
+
+        Traffic to or from hosts outside the matrix is neither shaped nor delayed
+        (HTB ``default 0`` sends unclassified packets straight through).
+        """
+        base = [tc, "-n", self.namespace(index)]
+        pairs = self.pair_mbit or ()
+        if index >= len(pairs):
+            return
+        _run([*base, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb",
+              "default", "0"])
+        for dst, mbit in enumerate(pairs[index]):
+            if dst == index:
+                continue
+            cls = f"1:{dst + 10:x}"
+            rate = f"{round(mbit * 1e6)}bit"
+            burst = str(max(65536, round(mbit * 1e6 / 8 / 1000)))
+            _run([*base, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
+                  "rate", rate, "ceil", rate, "burst", burst, "cburst", burst,
+                  "quantum", "65536"])
+            if self.latency_ms > 0:
+                _run([*base, "qdisc", "add", "dev", "eth0", "parent", cls, "handle",
+                      f"{dst + 10:x}:", "netem", "delay", f"{self.latency_ms:g}ms", "limit",
+                      str(NETEM_LIMIT)])
+            _run([*base, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
+                  "prio", "1", "u32", "match", "ip", "dst", f"{self.worker_address(dst)}/32",
+                  "flowid", cls])
 
     def close(self) -> None:
         """Removes every namespace this cluster created (idempotent, safe after a failure).

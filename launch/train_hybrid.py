@@ -43,6 +43,8 @@ from launch.flags import define_flags as define_shared_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 MIB = 2**20
+#: Environment variable: the workers' idle resident bytes (JSON list), set by the launcher.
+IDLE_ENV = "TFBS_IDLE_RSS"
 
 
 def define_flags() -> None:
@@ -77,9 +79,61 @@ def define_flags() -> None:
                          "(chain or functional models) so the cost model includes compute.")
     flags.DEFINE_boolean("verify_against_data_parallel", False, "Also train with plain data "
                          "parallelism on the same batches and report max_abs_weight_diff.")
+    flags.DEFINE_string("workers", None, "I+J (e.g. 2+1): run on an emulated cluster of I "
+                        "conv worker processes and J FC worker processes whose memory holds "
+                        "the FC state (each in its own network namespace; needs root). "
+                        "Overrides --conv_replicas / --fc_replicas. Default: one process with "
+                        "logical devices.")
+    flags.DEFINE_integer("conv_worker_memory_mib", 0, "--workers: memory cap of every conv "
+                         "worker process (MiB, 0 = none).", lower_bound=0)
+    flags.DEFINE_integer("fc_state_task", -1, "--workers: the worker task whose memory holds "
+                         "the FC state (-1: the first FC worker). A conv worker's task shows "
+                         "what its memory cap prevents.", lower_bound=-1)
+    flags.DEFINE_boolean("check_memory", True, "--workers: refuse to start when the FC state "
+                         "cannot fit the memory cap of the worker chosen to hold it (else the "
+                         "kernel's out-of-memory killer stops the run).")
+    flags.DEFINE_float("bandwidth_mbit", None, "--workers: shape every link between workers "
+                       "to this rate (Mbit/s).")
+    flags.DEFINE_string("out", None, "Also write the record to OUT/hybrid_cluster.json "
+                        "(--workers) or OUT/hybrid.json.")
+    flags.register_validator("workers", lambda v: v is None or parse_workers(v) is not None,
+                             "--workers must be I+J with I, J >= 1, e.g. 2+1")
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def parse_workers(text: str) -> tuple[int, int] | None:
+    """``"I+J"`` -> ``(I, J)``; ``None`` when malformed or a count is < 1."""
+    parts = str(text).split("+")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        return None
+    i, j = (int(p) for p in parts)
+    return (i, j) if i >= 1 and j >= 1 else None
+
+
+def cluster_devices(conv: int, fc: int, fc_state_task: int) -> dict[str, Any]:
+    """Connects to the emulated cluster: conv replicas on tasks ``0..I-1``, FC replicas on
+    ``I..I+J-1``, the FC state on ``fc_state_task`` (-1: task ``I``); the data-parallel
+    reference on ``I`` logical CPUs of this client (made before connecting)."""
+    import tensorflow as tf
+
+    from tf_blocksparse.distribute import remote
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * conv)
+    workers = remote.connect(remote.cluster_from_env())
+    if len(workers) != conv + fc:
+        raise ValueError(f"the cluster has {len(workers)} workers, --workers asks for "
+                         f"{conv}+{fc}")
+    task = conv if fc_state_task < 0 else fc_state_task
+    if task >= conv + fc:
+        raise app.UsageError(f"--fc_state_task={fc_state_task} is not a worker task "
+                             f"(0..{conv + fc - 1})")
+    return {"conv": workers[:conv], "fc": workers[conv:], "host": workers[task],
+            "reference": [f"/job:chief/replica:0/task:0/device:CPU:{i}" for i in range(conv)],
+            "fc_state_task": task}
 
 
 def hybrid_devices(conv_replicas: int, fc_replicas: int, host_device: str = ""
@@ -239,7 +293,16 @@ def compression_specs(f: Any) -> tuple[dict | None, dict | None]:
 
 def run(f: Any = FLAGS) -> dict[str, Any]:
     """Trains as the flags say; returns (and prints) the JSON record."""
-    devices = hybrid_devices(f.conv_replicas, f.fc_replicas, f.host_device)
+    cluster = parse_workers(f.workers) if f.workers else None
+    if cluster:
+        if f.offload == "none":
+            raise app.UsageError("--workers keeps the FC state in the FC worker's memory: "
+                                 "--offload=none does not apply")
+        f.offload = "fc"  # every head layer's state on the worker --fc_state_task names
+        f.conv_replicas, f.fc_replicas = cluster
+        devices = cluster_devices(*cluster, f.fc_state_task)
+    else:
+        devices = hybrid_devices(f.conv_replicas, f.fc_replicas, f.host_device)
     import keras
     import numpy as np
 
@@ -278,6 +341,8 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
                               f.conv_replicas, f.fc_replicas,
                               offload_fc_group=f.offload == "fc")
     comp, shared = compression_specs(f)
+    if cluster:
+        fc_state = check_fc_state(f, layers, plan, comp, devices["fc_state_task"])
     trainer = HybridTrainer(model, devices["conv"], devices["fc"], sgd,
                             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                             boundary=f.split_layer, host_device=devices["host"],
@@ -304,6 +369,8 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
         "variable_bytes_by_device": {d.split("device:")[-1]: n for d, n in
                                      trainer.variable_bytes_by_device().items()},
     }
+    if cluster:
+        record.update(cluster_facts(f, trainer, devices, fc_state))
     if f.verify_against_data_parallel:
         exact = comp is None or (shared is not None and f.conv_replicas == f.fc_replicas)
         want = train_data_parallel(build, initial, batches, devices["reference"], f.lr,
@@ -315,15 +382,89 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
                                "dense data parallel (the difference includes the compression)")
         record["reference_devices"] = devices["reference"]
     print(json.dumps(record))
+    if f.out:
+        os.makedirs(f.out, exist_ok=True)
+        name = "hybrid_cluster.json" if cluster else "hybrid.json"
+        with open(os.path.join(f.out, name), "w") as fh:
+            json.dump(record, fh, indent=1)
     return record
 
 
-def main(argv: list[str]) -> None:
+def check_fc_state(f: Any, layers: Sequence[Any], plan: Any, comp: Any, task: int) -> int:
+    """Planned bytes of the FC state on worker ``task``; refuses (``--check_memory``) when that
+    worker is a capped conv worker whose idle footprint plus this state exceeds its cap."""
+    fc_state = sum(x.resident_bytes for x in layers if x.is_fc and
+                   x.name in plan.expanded_layers)
+    if comp is not None and (not isinstance(comp, dict) or comp.get("fc", comp) is not None):
+        fc_state += sum(x.param_bytes for x in layers if x.is_fc and
+                        x.name in plan.expanded_layers)  # the residuals
+    idle = json.loads(os.environ.get(IDLE_ENV, "[]"))
+    cap = f.conv_worker_memory_mib * MIB
+    if f.check_memory and cap and task < f.conv_replicas and idle:
+        need = idle[task] + fc_state
+        if need > cap:
+            raise MemoryError(
+                f"--fc_state_task={task}: the FC state ({fc_state / MIB:.0f} MiB: variables, "
+                f"optimizer slots, residuals) does not fit conv worker {task}'s memory cap "
+                f"(--conv_worker_memory_mib={f.conv_worker_memory_mib}) beside its idle "
+                f"footprint of {idle[task] / MIB:.0f} MiB; put it on an FC worker "
+                f"(--fc_state_task=-1) or raise the cap")
+    return fc_state
+
+
+def cluster_facts(f: Any, trainer: Any, devices: dict[str, Any], fc_state: int) -> dict:
+    """The emulated cluster's part of the record."""
+    by_device = trainer.variable_bytes_by_device()
+    idle = json.loads(os.environ.get(IDLE_ENV, "[]"))
+    return {"workers": f.workers, "conv_tasks": list(range(f.conv_replicas)),
+            "fc_tasks": list(range(f.conv_replicas, f.conv_replicas + f.fc_replicas)),
+            "fc_state_task": devices["fc_state_task"],
+            "fc_state_bytes": int(by_device.get(devices["host"], 0)),
+            "fc_state_planned_bytes": int(fc_state),
+            "conv_worker_memory_mib": f.conv_worker_memory_mib,
+            "conv_worker_idle_bytes": idle[:f.conv_replicas],
+            "bandwidth_mbit": f.bandwidth_mbit}
+
+
+def launch_cluster(f: Any) -> int:
+    """Starts the I + J worker servers (conv workers capped) and re-runs this script as the
+    client inside the cluster; returns its exit code."""
+    if os.geteuid() != 0:
+        print("train_hybrid: --workers needs root (network namespaces, cgroups); run it as "
+              "root or drop --workers", file=sys.stderr)
+        return 1
+    from launch.tf_cluster import ServerCluster, WorkerFailure
+
+    conv, fc = parse_workers(f.workers)
+    n = conv + fc
+    rates = [[f.bandwidth_mbit] * n for _ in range(n)] if f.bandwidth_mbit else None
+    memory = [f.conv_worker_memory_mib or None] * conv + [None] * fc
+    try:
+        with ServerCluster(n, pair_mbit=rates, memory_mib=memory, namespaces=True) as cl:
+            env = {IDLE_ENV: json.dumps(cl.idle_rss_bytes)}
+            rc = cl.run_client([sys.executable, "-m", "launch.train_hybrid", *sys.argv[1:]],
+                               env=env)
+    except WorkerFailure as e:
+        print(f"train_hybrid: {e}", file=sys.stderr)
+        return 1
+    return rc
+
+
+def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    run()
+    from tf_blocksparse.distribute import remote
+
+    if FLAGS.workers and remote.cluster_from_env() is None:
+        return launch_cluster(FLAGS)
+    try:
+        run()
+    except MemoryError as e:
+        print(f"train_hybrid: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(lambda argv: sys.exit(main(argv)))

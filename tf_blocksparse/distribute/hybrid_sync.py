@@ -28,7 +28,7 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import blocks, selection
-from tf_blocksparse.distribute.pipeline_stages import split_sizes
+from tf_blocksparse.distribute.pipeline_stages import device_key, split_sizes
 from tf_blocksparse.feedback import BlockTopK, validate_k_density
 
 __all__ = ["GroupSync", "PartReplica", "ancestors", "check_compression", "check_devices",
@@ -59,8 +59,7 @@ def check_compression(spec: Mapping[str, Any] | None, arg: str) -> dict[str, Any
 def check_devices(devices: Any, arg: str) -> list[str]:
     if isinstance(devices, str) or not isinstance(devices, Sequence) or not devices:
         raise ValueError(f"{arg} must be a non-empty sequence of device names, got {devices!r}")
-    known = {(d.device_type.upper(), int(d.name.rsplit(":", 1)[-1]))
-             for d in tf.config.list_logical_devices()}
+    known = {device_key(d.name) for d in tf.config.list_logical_devices()}
     out = []
     for d in devices:
         try:
@@ -69,9 +68,9 @@ def check_devices(devices: Any, arg: str) -> list[str]:
             spec = None
         if spec is None or spec.device_type is None:
             raise ValueError(f"{arg}: {d!r} is not a device name like '/cpu:0' or '/gpu:0'")
-        if (spec.device_type.upper(), spec.device_index or 0) not in known:
+        if device_key(d) not in known:
             raise ValueError(f"{arg}: device {d!r} does not exist; logical devices: "
-                             f"{sorted(known)}")
+                             f"{sorted(d.name for d in tf.config.list_logical_devices())}")
         out.append(d)
     return out
 

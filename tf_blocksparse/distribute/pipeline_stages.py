@@ -19,8 +19,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["StageReplica", "StageSpec", "default_devices", "normalize_stages", "reslice",
-           "split_sizes"]
+__all__ = ["StageReplica", "StageSpec", "default_devices", "device_key", "normalize_stages",
+           "reslice", "split_sizes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,15 @@ def default_devices() -> list[str]:
     """The host's logical GPUs, or its logical CPUs when there is no GPU."""
     devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
     return [d.name for d in devices]
+
+
+def device_key(name: str) -> tuple[str, int, int, str, int]:
+    """``(job, replica, task, TYPE, index)`` of a device name; a local name without job or task
+    (``/device:CPU:0``) is the same device as ``/job:localhost/replica:0/task:0/device:CPU:0``.
+    """
+    spec = tf.DeviceSpec.from_string(name)
+    return (spec.job or "localhost", spec.replica or 0, spec.task or 0,
+            (spec.device_type or "").upper(), spec.device_index or 0)
 
 
 def _stage_fields(stage: Any) -> tuple[Any, Any, Any]:
@@ -100,8 +109,7 @@ def normalize_stages(stages: Sequence[Any], num_layers: int, devices: Sequence[s
             elif not isinstance(d, str):
                 raise ValueError(f"stages: stage {s} has a device {d!r} that is neither an "
                                  "int nor a str")
-            spec = tf.DeviceSpec.from_string(d)
-            key = ((spec.device_type or "").upper(), spec.device_index)
+            key = device_key(d)
             if key in used and not allow_device_reuse:
                 raise ValueError(f"stages: device {d!r} is reused (stage {used[key]} and stage "
                                  f"{s}); give every replica its own device")
