@@ -219,8 +219,10 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
     ops = None
     if strategy is None:
         # every variable compressed, as HybridTrainer's per-layer exchange does
+        # reduction to one device, not collectives: those would wait for the group leader
+        # of a cluster this process is connected to (--workers)
         ops = (tfbs.BlockSparseCrossDeviceOps(**{"dense_below": 0, **compression})
-               if compression else None)
+               if compression else tf.distribute.ReductionToOneDevice())
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     with strategy.scope():
@@ -228,7 +230,7 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
         model.set_weights(weights)
         opt = keras.optimizers.SGD(lr, momentum=momentum)
         opt.build(model.trainable_variables)
-    if ops is not None:
+    if compression:
         ops.bind_model(model)
     n = strategy.num_replicas_in_sync
 
@@ -259,13 +261,18 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
     return model.get_weights()
 
 
+def short_device(name: str) -> str:
+    """``CPU:3`` for a device of this process, the full name for a worker task's."""
+    return name.split("device:")[-1] if name.startswith("/job:localhost/") else name
+
+
 def group_summary(placement: dict, plan: Any) -> dict[str, Any]:
     """Per group: compute devices, the devices holding variables / optimizer state /
     residuals, the expanded layers and the planner's bytes per replica."""
     out = {}
     for group in ("conv", "fc"):
         reps = placement[group]
-        short = {k: sorted({d.split("device:")[-1] for r in reps for d in r[k].values()})
+        short = {k: sorted({short_device(d) for r in reps for d in r[k].values()})
                  for k in ("variables", "optimizer_slots", "residuals")}
         out[group] = {"compute_devices": [r["compute_device"] for r in reps],
                       "variable_devices": short["variables"],
@@ -366,7 +373,7 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
         "predicted_step_time_s": plan.step_time_s, "predicted_breakdown_s": plan.breakdown,
         "layers_profiled": bool(f.profile_layers), "plan_fits": plan.fits,
         "memory_placement": group_summary(trainer.placement(), plan),
-        "variable_bytes_by_device": {d.split("device:")[-1]: n for d, n in
+        "variable_bytes_by_device": {short_device(d): n for d, n in
                                      trainer.variable_bytes_by_device().items()},
     }
     if cluster:

@@ -72,7 +72,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("profile_repeats", 5, "Timed calls per profiled layer.", lower_bound=1)
     flags.DEFINE_list("plans", list(PLAN_NAMES.values()), "Plans to train.")
     flags.DEFINE_string("out", "runs/pipeline_cluster", "Output directory.")
-    flags.DEFINE_string("process_logs", None, "Also write every process's output to this directory.")
+    flags.DEFINE_string("process_logs", None, "Also write every process's output to this "
+                        "directory.")
     flags.register_validator("bandwidth_mbit", lambda v: v > 0, "--bandwidth_mbit must be > 0")
     flags.register_validator("spread", lambda v: 0 <= v < 1, "--spread must be in [0, 1)")
     flags.register_validator("plans", lambda v: v and set(v) <= set(PLAN_NAMES.values()),

@@ -49,6 +49,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_blocksparse.distribute.fit import FitLoop
 from tf_blocksparse.distribute.hybrid_sync import (
     GroupSync,
     PartReplica,
@@ -68,7 +69,7 @@ __all__ = ["HybridTrainer"]
 GROUPS = ("conv", "fc")
 
 
-class HybridTrainer:
+class HybridTrainer(FitLoop):
     """Trains a CNN as two data-parallel groups, conv trunk and FC head (module docstring).
 
     Attributes:
@@ -224,6 +225,12 @@ class HybridTrainer:
         """
         totals = self._grad_fn(x, y)
         return [totals[g][i] for g, i in self._model_order]
+
+    @property
+    def primary_optimizer(self) -> keras.optimizers.Optimizer:
+        """The first conv replica's first optimizer (callbacks read its learning rate and
+        iterations)."""
+        return self.optimizers["conv"][0][0][0]
 
     def copy_to_model(self) -> None:
         """Writes replica 0's variables of both groups into the original model's variables."""

@@ -40,6 +40,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_blocksparse.distribute.fit import FitLoop
 from tf_blocksparse.distribute.pipeline_stages import (
     StageReplica,
     StageSpec,
@@ -94,7 +95,7 @@ def _make_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
                      f"{optimizer!r}")
 
 
-class PipelineTrainer:
+class PipelineTrainer(FitLoop):
     """Trains a chain model with a pipeline plan (see the module docstring).
 
     Attributes:
@@ -185,6 +186,13 @@ class PipelineTrainer:
         """
         _, totals = self._grad_fn(x, y)
         return [totals[s][0][i] for s, i in self._model_order]
+
+    @property
+    def primary_optimizer(self) -> keras.optimizers.Optimizer:
+        """The optimizer of the first replica that has variables (callbacks read its learning
+        rate and iterations)."""
+        return next((o for opts, reps in zip(self.optimizers, self.replicas)
+                     for o, r in zip(opts, reps) if r.trainable), self.optimizers[0][0])
 
     def copy_to_model(self) -> None:
         """Writes replica 0's variables of every stage into the original model's variables."""
