@@ -8,7 +8,7 @@ PYTEST_FLAGS = -q -x -p no:cacheprovider
 
 export TF_CPP_MIN_LOG_LEVEL = 2
 
-.PHONY: venv data test test-slow test-notebooks lint demo bench bench-full bench-micro clean
+.PHONY: venv data test test-slow test-notebooks lint demo bench bench-full bench-micro bench-cluster clean
 
 venv: $(STAMP)
 
@@ -89,6 +89,19 @@ bench-full: venv data
 			--model_steps_per_epoch=resnet20=50 --sparse_epoch_factor=4 --density=0.05 \
 			--test_samples=2000 --out=$(BENCH); \
 	else echo "bench-full: time to accuracy skipped (needs root for network namespaces)"; fi
+
+# Pipeline and hybrid training across worker processes on an emulated cluster (root: network
+# namespaces, tc, cgroups; ~6 min).  Every plan of a seed is measured in the same run.
+bench-cluster: venv data
+	@for s in 0 1 2; do \
+		$(PY) -m launch.train_pipeline --workers=4 --topology=random --spread=0.8 \
+			--bandwidth_mbit=200 --model=vgg_fc --steps=20 --micro_batches=4 --seed=$$s \
+			--out=runs/pipeline_cluster_seed$$s \
+			--results_file=$(BENCH)/pipeline_cluster.json || exit 1; \
+	done
+	$(PY) -m launch.train_hybrid --workers=2+1 --model=vgg_fc --dataset=fashion_mnist \
+		--fc_units=4096 --steps=5 --batch_size=64 --conv_worker_memory_mib=900 \
+		--verify_against_data_parallel --out=$(BENCH)
 
 # Micro-benchmarks of single features (each prints one JSON object).
 bench-micro: venv

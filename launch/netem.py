@@ -18,7 +18,12 @@ Shaping model (``tc``): every worker has a full-duplex link of ``bandwidth_mbit`
 non-blocking switch, as with one NIC per host.  Each link direction is an HTB class of that
 rate: the worker's ``eth0`` egress (its uplink) and the bridge port's egress (its downlink).
 ``latency_ms`` is a one-way delay added once per packet (``netem`` under the worker's uplink
-class), so the round trip between two workers grows by ``2 * latency_ms``.  ``netem`` needs the
+class), so the round trip between two workers grows by ``2 * latency_ms``.
+
+Per-pair rates (``pair_mbit``, e.g. from a :class:`~tf_blocksparse.planning.Topology`) replace
+the one-link-per-worker model: worker ``i``'s ``eth0`` gets one HTB class per destination
+``j`` at ``pair_mbit[i][j]``, chosen by a ``u32`` filter on the destination address, so the
+link ``i -> j`` really carries its own rate (the bridge ports are not shaped then).  ``netem`` needs the
 kernel's ``sch_netem`` (``CONFIG_NET_SCH_NETEM``); where it is missing, asking for latency
 raises :class:`NetemUnavailableError` (bandwidth alone needs only HTB).
 

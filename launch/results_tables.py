@@ -83,9 +83,43 @@ def demo_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def pipeline_cluster_table(doc: dict) -> str:
+    """One row per topology x plan of ``launch/train_pipeline.py --results_file``."""
+    lines = ["| topology | plan | stages (layers @ worker tasks) | measured step s | "
+             "predicted step s | measured / predicted | samples/s | bandwidth-aware speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, run in doc["runs"].items():
+        best = run["plans"].get("bandwidth_aware", {}).get("throughput_samples_s")
+        for name, p in run["plans"].items():
+            stages = ", ".join(f"{s['layers'][0]}-{s['layers'][1]} @ "
+                               f"{'+'.join(map(str, s['worker_tasks']))}" for s in p["stages"])
+            speed = "-" if name == "bandwidth_aware" or not best else \
+                f"{best / p['throughput_samples_s']:.2f}x"
+            lines.append(f"| {key} | {name} | {stages} | {p['measured_step_s']:.3f} | "
+                         f"{p['predicted_step_s']:.3f} | {p['measured_over_predicted']:.2f} | "
+                         f"{p['throughput_samples_s']:.0f} | {speed} |")
+    return "\n".join(lines)
+
+
+def hybrid_cluster_table(doc: dict) -> str:
+    """The ``launch/train_hybrid.py --workers`` record as one row."""
+    mib = 2**20
+    idle = ", ".join(f"{b / mib:.0f}" for b in doc["conv_worker_idle_bytes"])
+    return "\n".join([
+        "| workers | FC state on task | FC state MiB | conv tasks | conv cap MiB | conv idle "
+        "MiB | steps | max abs weight diff vs data parallel | step s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {doc['workers']} | {doc['fc_state_task']} | {doc['fc_state_bytes'] / mib:.0f} | "
+        f"{', '.join(map(str, doc['conv_tasks']))} | {doc['conv_worker_memory_mib']} | {idle} "
+        f"| {doc['steps']} | {doc['max_abs_weight_diff']:.1e} | "
+        f"{doc['step_time_s_median']:.3f} |"])
+
+
 #: Results file -> its table.
 TABLES = {"time_to_accuracy.json": time_to_accuracy_table,
-          "convergence.json": convergence_table, "demo.json": demo_table}
+          "convergence.json": convergence_table, "demo.json": demo_table,
+          "pipeline_cluster.json": pipeline_cluster_table,
+          "hybrid_cluster.json": hybrid_cluster_table}
 
 
 def update_readme(text: str, results: str) -> str:

@@ -411,8 +411,8 @@ def check_fc_state(f: Any, layers: Sequence[Any], plan: Any, comp: Any, task: in
         need = idle[task] + fc_state
         if need > cap:
             raise MemoryError(
-                f"--fc_state_task={task}: the FC state ({fc_state / MIB:.0f} MiB: variables, "
-                f"optimizer slots, residuals) does not fit conv worker {task}'s memory cap "
+                f"--fc_state_task={task}: the FC state ({fc_state / MIB:.0f} MiB planned: "
+                f"variables, gradients, optimizer slots, residuals) does not fit conv worker {task}'s memory cap "
                 f"(--conv_worker_memory_mib={f.conv_worker_memory_mib}) beside its idle "
                 f"footprint of {idle[task] / MIB:.0f} MiB; put it on an FC worker "
                 f"(--fc_state_task=-1) or raise the cap")

@@ -72,6 +72,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("profile_repeats", 5, "Timed calls per profiled layer.", lower_bound=1)
     flags.DEFINE_list("plans", list(PLAN_NAMES.values()), "Plans to train.")
     flags.DEFINE_string("out", "runs/pipeline_cluster", "Output directory.")
+    flags.DEFINE_string("results_file", None, "Also keep the record in this JSON file under "
+                        "runs[<topology>/seed<seed>] (other runs in it are kept), e.g. "
+                        "benchmarks/results/pipeline_cluster.json.")
     flags.DEFINE_string("process_logs", None, "Also write every process's output to this "
                         "directory.")
     flags.register_validator("bandwidth_mbit", lambda v: v > 0, "--bandwidth_mbit must be > 0")
@@ -193,6 +196,20 @@ def run_client(f: Any) -> dict:
     return record
 
 
+def keep_run(path: str, key: str, record: dict) -> None:
+    """Stores ``record`` as ``runs[key]`` of the JSON file at ``path`` (created if absent;
+    the profile is left out: it is in the run's own file)."""
+    doc = {"runs": {}}
+    if os.path.exists(path):
+        with open(path) as fh:
+            doc = json.load(fh)
+    doc.setdefault("runs", {})[key] = {k: v for k, v in record.items() if k != "profile"}
+    doc["runs"] = dict(sorted(doc["runs"].items()))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -205,6 +222,8 @@ def main(argv: list[str]) -> int:
         path = os.path.join(f.out, "pipeline_cluster.json")
         with open(path, "w") as fh:
             json.dump(record, fh, indent=1)
+        if f.results_file:
+            keep_run(f.results_file, f"{record['topology']}/seed{f.seed}", record)
         print(json.dumps({"wrote": path, "speedup": record.get("speedup")}), flush=True)
         return 0
     if os.geteuid() != 0:

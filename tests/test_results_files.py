@@ -114,3 +114,27 @@ def test_demo_file():
         assert r["test_examples"] == 10_000 and r["num_workers"] == 2
         assert r["test_accuracy"] == r["test_correct"] / r["test_examples"]
     assert doc["deterministic"] and doc["test_samples"] == 0
+
+
+def test_pipeline_cluster_file():
+    doc = _load("pipeline_cluster.json")
+    assert len(doc["runs"]) >= 3
+    for run in doc["runs"].values():
+        assert set(run["plans"]) == {"bandwidth_aware", "pipedream", "oblivious"}
+        assert run["workers"] == 4 and len(run["pair_mbit"]) == 4
+        for plan in run["plans"].values():
+            for key in ("measured_step_s", "predicted_step_s", "throughput_samples_s"):
+                assert plan[key] > 0
+            assert plan["stages"][0]["layers"][0] == 0
+            assert all(0 <= t < 4 for s in plan["stages"] for t in s["worker_tasks"])
+            assert len(plan["step_s"]) == run["steps"]
+
+
+def test_hybrid_cluster_file():
+    doc = _load("hybrid_cluster.json")
+    assert doc["workers"] == "2+1" and doc["conv_tasks"] == [0, 1]
+    assert doc["fc_state_task"] == 2
+    assert doc["max_abs_weight_diff"] < 1e-4
+    cap = doc["conv_worker_memory_mib"] * 2**20
+    # the cap leaves less room beside a conv worker's idle footprint than the FC state needs
+    assert all(cap - idle < doc["fc_state_bytes"] for idle in doc["conv_worker_idle_bytes"])
