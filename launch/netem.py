@@ -23,9 +23,10 @@ class), so the round trip between two workers grows by ``2 * latency_ms``.
 Per-pair rates (``pair_mbit``, e.g. from a :class:`~tf_blocksparse.planning.Topology`) replace
 the one-link-per-worker model: worker ``i``'s ``eth0`` gets one HTB class per destination
 ``j`` at ``pair_mbit[i][j]``, chosen by a ``u32`` filter on the destination address, so the
-link ``i -> j`` really carries its own rate (the bridge ports are not shaped then).  ``netem`` needs the
-kernel's ``sch_netem`` (``CONFIG_NET_SCH_NETEM``); where it is missing, asking for latency
-raises :class:`NetemUnavailableError` (bandwidth alone needs only HTB).
+link ``i -> j`` really carries its own rate (the bridge ports are not shaped then).
+
+``netem`` needs the kernel's ``sch_netem`` (``CONFIG_NET_SCH_NETEM``); where it is missing,
+asking for latency raises :class:`NetemUnavailableError` (bandwidth alone needs only HTB).
 
 Tear-down is ``ip netns del`` of every namespace (the kernel then removes the veth pairs and
 the bridge with them), after killing any process still inside one.  It runs in ``__exit__``,

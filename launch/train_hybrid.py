@@ -412,10 +412,11 @@ def check_fc_state(f: Any, layers: Sequence[Any], plan: Any, comp: Any, task: in
         if need > cap:
             raise MemoryError(
                 f"--fc_state_task={task}: the FC state ({fc_state / MIB:.0f} MiB planned: "
-                f"variables, gradients, optimizer slots, residuals) does not fit conv worker {task}'s memory cap "
-                f"(--conv_worker_memory_mib={f.conv_worker_memory_mib}) beside its idle "
-                f"footprint of {idle[task] / MIB:.0f} MiB; put it on an FC worker "
-                f"(--fc_state_task=-1) or raise the cap")
+                f"variables, gradients, optimizer slots, residuals) does not fit conv "
+                f"worker {task}'s memory cap (--conv_worker_memory_mib="
+                f"{f.conv_worker_memory_mib}) beside its idle footprint of "
+                f"{idle[task] / MIB:.0f} MiB; put it on an FC worker (--fc_state_task=-1) or "
+                "raise the cap")
     return fc_state
 
 
