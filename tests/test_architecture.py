@@ -123,6 +123,9 @@ def _private_uses(path: pathlib.Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             name = node.attr
+            if name == "src" and isinstance(node.value, ast.Name) and node.value.id == "keras":
+                found.append(f"line {node.lineno}: keras.src")
+                continue
             if name == "__internal__" or (name.startswith("_") and not name.startswith("__")):
                 owner = node.value
                 if isinstance(owner, ast.Name) and owner.id in ("self", "cls", *own):
