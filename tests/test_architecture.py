@@ -1,13 +1,34 @@
-"""Dependencies point inward: the core never imports adapters, launch/ or models/."""
+"""Architecture rules of the whole package, checked on the source.
+
+- Dependencies point inward: core modules (``tf_blocksparse/*.py``) import no adapter
+  (``tf_blocksparse.keras``, ``tf_blocksparse.distribute``), no Keras and nothing of the
+  repository's ``launch/`` or ``models/``; adapters import neither ``launch`` nor ``models``.
+- ``tf_blocksparse.planning`` imports no TensorFlow, Keras or adapter, directly or through the
+  package (checked in a fresh interpreter too).
+- Private TensorFlow / Keras APIs (``keras.src``, ``tf.__internal__``, ``tensorflow.python``,
+  underscore attributes of other objects) are used only in ``tf_blocksparse/_compat.py``.
+"""
+
+from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "tf_blocksparse"
-CORE = ["blocks", "selection", "feedback", "codec", "exchange"]
-FORBIDDEN = ("tf_blocksparse.keras", "tf_blocksparse.distribute", "launch", "models", "keras")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "tf_blocksparse"
+ADAPTERS = ("tf_blocksparse.keras", "tf_blocksparse.distribute")
+REPO_ONLY = ("launch", "models")
+COMPAT = PKG / "_compat.py"
+PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.tsl", "tensorflow.core")
+
+
+def _rel(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -15,18 +36,117 @@ def _imports(path: pathlib.Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
 
 
-@pytest.mark.parametrize("module", CORE)
-def test_core_module_imports_no_adapter(module):
-    for name in _imports(PKG / f"{module}.py"):
-        assert not any(name == f or name.startswith(f + ".") for f in FORBIDDEN), (module, name)
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_block_table_and_planners_are_tensorflow_free():
-    paths = [PKG / "blocks.py", *sorted((PKG / "planning").glob("*.py"))]
-    for path in paths:
-        assert not any(n.split(".")[0] in ("tensorflow", "keras") for n in _imports(path)), path
+CORE = sorted(p for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_compat.py"))
+PLANNING = sorted((PKG / "planning").rglob("*.py"))
+ADAPTER_FILES = sorted([*(PKG / "keras").rglob("*.py"), *(PKG / "distribute").rglob("*.py")])
+REPO_PY = sorted(p for d in ("tf_blocksparse", "launch", "models")
+                 for p in (ROOT / d).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", CORE, ids=_rel)
+def test_core_imports_no_adapter(path):
+    bad = {n for n in _imports(path) if _under(n, (*ADAPTERS, *REPO_ONLY, "keras"))}
+    assert not bad, f"{_rel(path)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", PLANNING, ids=_rel)
+def test_planning_is_tensorflow_free(path):
+    allowed_core = ("tf_blocksparse.planning",)
+    bad = {n for n in _imports(path)
+           if _under(n, ("tensorflow", "keras", *REPO_ONLY))
+           or (n.startswith("tf_blocksparse") and not _under(n, allowed_core)
+               and n != "tf_blocksparse")}
+    assert not bad, f"{_rel(path)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", ADAPTER_FILES, ids=_rel)
+def test_adapters_import_no_repository_scripts(path):
+    bad = {n for n in _imports(path) if _under(n, REPO_ONLY)}
+    assert not bad, f"{_rel(path)} imports {sorted(bad)}"
+
+
+def test_importing_planning_loads_no_tensorflow():
+    code = ("import sys, tf_blocksparse.planning as p; p.plan_backward; "
+            "bad = [m for m in ('tensorflow', 'keras') if m in sys.modules]; "
+            "assert not bad, bad")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_bare_import_then_keras_loads_a_saved_optimizer():
+    """``import tf_blocksparse`` is enough for Keras to load a ``.keras`` file that uses the
+    optimizer, whichever of the two is imported first."""
+    path = ROOT / "tests" / "data" / "model_v0_1_0.keras"
+    load = (f"m = keras.saving.load_model({str(path)!r}); "
+            "assert type(m.optimizer).__name__ == 'BlockSparseOptimizer'")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    for first in ("import tf_blocksparse, sys; assert 'tensorflow' not in sys.modules; "
+                  "import keras", "import keras, tf_blocksparse"):
+        proc = subprocess.run([sys.executable, "-c", f"{first}; {load}"], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (first, proc.stderr[-2000:])
+
+
+def _project_names(tree: ast.AST) -> set[str]:
+    """Names a file binds to the repository's own modules (their private names are the
+    project's business, not a TensorFlow / Keras API)."""
+    names = {"os"}  # os._exit is documented
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or _under(
+                node.module or "", ("tf_blocksparse", *REPO_ONLY))):
+            names.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.asname or a.name for a in node.names
+                         if _under(a.name, ("tf_blocksparse", *REPO_ONLY)))
+    return names
+
+
+def _private_uses(path: pathlib.Path) -> list[str]:
+    """``keras.src`` / ``tensorflow.python`` imports, ``tf.__internal__`` and underscore
+    attributes read from anything but ``self``, ``cls``, ``super()`` or the project's own
+    modules."""
+    tree = ast.parse(path.read_text())
+    own = _project_names(tree)
+    found = [f"import {n}" for n in _imports(path) if _under(n, PRIVATE_MODULES)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+            if name == "src" and isinstance(node.value, ast.Name) and node.value.id == "keras":
+                found.append(f"line {node.lineno}: keras.src")
+                continue
+            if name == "__internal__" or (name.startswith("_") and not name.startswith("__")):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls", *own):
+                    continue
+                if isinstance(owner, ast.Call) and getattr(owner.func, "id", "") == "super":
+                    continue
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+                "getattr", "hasattr", "setattr") and len(node.args) > 1 \
+                and isinstance(node.args[1], ast.Constant) \
+                and str(node.args[1].value).startswith("_") \
+                and not str(node.args[1].value).startswith("__"):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in REPO_PY if p != COMPAT], ids=_rel)
+def test_private_apis_only_through_compat(path):
+    found = _private_uses(path)
+    assert not found, f"{_rel(path)} uses private APIs outside tf_blocksparse._compat: {found}"
+
+
+def test_the_private_api_check_can_fail():
+    assert _private_uses(COMPAT), "the check finds nothing even in _compat"

@@ -1,37 +1,108 @@
 """tf_blocksparse: block-wise top-k gradient exchange with error feedback for tf.distribute.
 
-Core (no adapters imported by it): :mod:`~tf_blocksparse.blocks` (block-rule table),
-:mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.feedback`,
-:mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.exchange`,
-:mod:`~tf_blocksparse.clipping`, and the TF-free planners in
-:mod:`tf_blocksparse.planning` (those modules import no TensorFlow themselves).  Adapters:
-:mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.  The adapters are imported
-here so that ``import tf_blocksparse`` registers the optimizer with Keras (``.keras`` files
-that use it load after that import).
+Core: :mod:`~tf_blocksparse.blocks` (block-rule table), :mod:`~tf_blocksparse.selection`,
+:mod:`~tf_blocksparse.feedback`, :mod:`~tf_blocksparse.codec`,
+:mod:`~tf_blocksparse.exchange`, :mod:`~tf_blocksparse.clipping`, and the TensorFlow-free
+planners of :mod:`tf_blocksparse.planning`.  Adapters: :mod:`tf_blocksparse.keras` and
+:mod:`tf_blocksparse.distribute`.
+
+Importing the package imports no TensorFlow: the public names below are loaded on first
+use, so ``import tf_blocksparse.planning`` stays light.  Keras must still find
+``BlockSparseOptimizer`` when it loads a ``.keras`` file after ``import tf_blocksparse``:
+the optimizer registers itself with Keras as soon as Keras is imported (at once if it
+already is).
 """
 
-from tf_blocksparse import clipping, planning
-from tf_blocksparse.blocks import BlockLayout, BlockRule, block_table, format_block_table
-from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
-from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps
-from tf_blocksparse.distribute.hybrid import HybridTrainer
-from tf_blocksparse.distribute.pipeline import PipelineTrainer
-from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
-from tf_blocksparse.feedback import BlockTopK, ElementTopK, Payload
-from tf_blocksparse.keras.backup import BackupAndRestore, save_model
-from tf_blocksparse.keras.callbacks import BlockSparseMetrics
-from tf_blocksparse.keras.evaluation import EvalResult, ExactValidation, evaluate_exactly
-from tf_blocksparse.keras.hybrid_split import find_boundary, split_model
-from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
-from tf_blocksparse.keras.profiler import profile_model
-from tf_blocksparse.keras.warmup import DensityWarmup
+from __future__ import annotations
 
-__all__ = [
-    "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseCrossDeviceOps",
-    "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "DensityWarmup", "ElementTopK",
-    "EvalResult", "ExactValidation", "FusedCrossDeviceOps", "HybridTrainer",
-    "MultiWorkerMirroredStrategy", "Payload", "PipelineTrainer",
-    "block_table", "clipping", "evaluate_exactly", "find_boundary", "format_block_table",
-    "planning", "profile_model", "save_model", "split_model",
-]
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
+
+from tf_blocksparse import planning as planning  # TensorFlow-free, imported eagerly
+
+#: Public name -> module that defines it.
+_EXPORTS = {
+    "BackupAndRestore": "tf_blocksparse.keras.backup",
+    "BlockLayout": "tf_blocksparse.blocks",
+    "BlockRule": "tf_blocksparse.blocks",
+    "BlockSparseCrossDeviceOps": "tf_blocksparse.distribute.cross_device_ops",
+    "BlockSparseMetrics": "tf_blocksparse.keras.callbacks",
+    "BlockSparseOptimizer": "tf_blocksparse.keras.optimizer",
+    "BlockTopK": "tf_blocksparse.feedback",
+    "DensityWarmup": "tf_blocksparse.keras.warmup",
+    "ElementTopK": "tf_blocksparse.feedback",
+    "EvalResult": "tf_blocksparse.keras.evaluation",
+    "ExactValidation": "tf_blocksparse.keras.evaluation",
+    "FusedCrossDeviceOps": "tf_blocksparse.distribute.fused_ops",
+    "HybridTrainer": "tf_blocksparse.distribute.hybrid",
+    "MultiWorkerMirroredStrategy": "tf_blocksparse.distribute.strategy",
+    "Payload": "tf_blocksparse.feedback",
+    "PipelineTrainer": "tf_blocksparse.distribute.pipeline",
+    "block_table": "tf_blocksparse.blocks",
+    "clipping": "tf_blocksparse.clipping",
+    "evaluate_exactly": "tf_blocksparse.keras.evaluation",
+    "find_boundary": "tf_blocksparse.keras.hybrid_split",
+    "format_block_table": "tf_blocksparse.blocks",
+    "profile_model": "tf_blocksparse.keras.profiler",
+    "save_model": "tf_blocksparse.keras.backup",
+    "split_model": "tf_blocksparse.keras.hybrid_split",
+}
+#: Modules whose import registers Keras-serialisable classes.
+_KERAS_REGISTERED = ("tf_blocksparse.keras.optimizer",)
+
+__all__ = sorted([*_EXPORTS, "planning"])
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tf_blocksparse' has no attribute {name!r}")
+    imported = importlib.import_module(module)
+    value = imported if module.rsplit(".", 1)[-1] == name else getattr(imported, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+def _register_with_keras() -> None:
+    for module in _KERAS_REGISTERED:
+        importlib.import_module(module)
+
+
+class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register_with_keras` right after ``keras`` itself finished importing."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "keras":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("keras")
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            try:
+                _register_with_keras()
+            except Exception as err:  # never break `import keras` for planning-only users
+                import warnings
+
+                warnings.warn(f"tf_blocksparse could not register its Keras classes: {err}",
+                              stacklevel=2)
+
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+if "keras" in sys.modules:
+    _register_with_keras()
+elif not any(isinstance(f, _RegisterAfterKeras) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterKeras())

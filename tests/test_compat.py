@@ -1,0 +1,200 @@
+"""Contract tests of ``tf_blocksparse._compat``: one per private TF/Keras hook.
+
+Each test checks the behaviour the package relies on, so a TensorFlow or Keras upgrade that
+changes a private API fails here, by name, rather than somewhere inside training.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_blocksparse import _compat
+
+
+def test_tested_versions_are_the_installed_ones():
+    assert tf.__version__.startswith(_compat.TESTED["tensorflow"] + ".")
+    assert keras.__version__.startswith(_compat.TESTED["keras"] + ".")
+
+
+def test_disable_gradient_all_reduce_stops_the_cross_replica_sum(mirrored2):
+    """Two replicas apply gradients 1 and 3 to one mirrored variable with SGD(lr=1): Keras
+    sums them (w = -4); with the hook each replica's own gradient is applied (per replica
+    w = -1 / -3), which is what a wrapper that already exchanged relies on."""
+    def run(disabled: bool) -> list[float]:
+        with mirrored2.scope():
+            w = keras.Variable(np.zeros((1,), "float32"))
+            opt = keras.optimizers.SGD(1.0)
+            opt.build([w])
+        if disabled:
+            _compat.disable_gradient_all_reduce(opt)
+            assert _compat.gradient_all_reduce_disabled(opt)
+
+        @tf.function
+        def step():
+            def fn():
+                rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+                opt.apply([tf.fill((1,), 1.0 + 2.0 * tf.cast(rid, tf.float32))], [w])
+            mirrored2.run(fn)
+
+        step()
+        return [float(v.numpy()[0]) for v in mirrored2.experimental_local_results(w.value)]
+
+    assert run(False) == [-4.0, -4.0]
+    assert sorted(run(True)) == [-3.0, -1.0]
+    assert not _compat.gradient_all_reduce_disabled(keras.optimizers.SGD(1.0))
+
+
+def test_disable_gradient_all_reduce_names_an_unsupported_optimizer():
+    class Plain:
+        pass
+
+    with pytest.raises(RuntimeError, match="_all_reduce_sum_gradients"):
+        _compat.disable_gradient_all_reduce(Plain())
+
+
+def test_no_automatic_dependency_tracking_keeps_variables_out_of_the_tracker():
+    """Variables assigned (in a list) inside the decorated method are not collected by
+    Keras' attribute tracker; the optimizer relies on it for its per-replica state lists."""
+    class Holder(keras.layers.Layer):
+        @_compat.no_automatic_dependency_tracking
+        def keep(self):
+            self.kept = [keras.Variable(np.zeros((2,), "float32"), name="kept")]
+
+        def track(self):
+            self.tracked = [keras.Variable(np.zeros((2,), "float32"), name="tracked")]
+
+    h = Holder()
+    h.keep()
+    assert [w.name for w in h.weights] == []
+    h.track()
+    assert [w.name for w in h.weights] == ["tracked"]
+
+
+def test_strategy_supports_no_merge_call(mirrored2):
+    assert _compat.strategy_supports_no_merge_call()  # default strategy
+    seen = []
+
+    def fn():
+        seen.append(_compat.strategy_supports_no_merge_call())
+
+    mirrored2.run(tf.function(fn))
+    assert seen and not any(seen)  # MirroredStrategy on CPUs uses merge_call
+
+
+def test_strategy_cross_device_ops():
+    ops = tf.distribute.ReductionToOneDevice()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+    assert _compat.strategy_cross_device_ops(strategy) is ops
+
+
+def _nested_model() -> keras.Model:
+    inner = keras.Sequential([keras.layers.Dense(3, name="inner_dense")], name="inner")
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(5, name="first")(inputs)
+    outputs = inner(x)
+    return keras.Model(inputs, outputs)
+
+
+def test_flatten_layers_includes_nested_layers():
+    names = {layer.name for layer in _compat.flatten_layers(_nested_model())}
+    assert {"first", "inner", "inner_dense"} <= names
+
+
+def test_own_trainable_variables_and_owners():
+    model = _nested_model()
+    inner = model.get_layer("inner")
+    dense = inner.get_layer("inner_dense")
+    assert _compat.own_trainable_variables(inner) == []  # only its sub-layer's
+    assert [v.name for v in _compat.own_trainable_variables(dense)] == ["kernel", "bias"]
+    owners = _compat.variable_owners(model.trainable_variables)
+    assert owners[id(dense.kernel)] is dense
+    assert owners[id(model.get_layer("first").bias)] is model.get_layer("first")
+    scoped = _compat.variable_owners([dense.kernel], layers=[model.get_layer("first")])
+    assert scoped == {}
+
+
+def test_keras_history_and_nodes_by_depth():
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, name="head")(inputs)
+    model = keras.Model(inputs, outputs)
+    assert _compat.keras_history(outputs).operation.name == "head"
+    assert _compat.keras_history(tf.zeros(1)) is None
+    graph = _compat.nodes_by_depth(model)
+    ops = {n.operation.name for nodes in graph.values() for n in nodes
+           if n.operation is not None}
+    assert "head" in ops
+
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+
+    assert _compat.nodes_by_depth(Sub()) is None
+
+
+def test_build_input_shapes_of_a_subclassed_model():
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def build(self, input_shape):
+            self.dense.build(input_shape)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Sub()
+    model.build((None, 3))
+    assert list(_compat.build_input_shapes(model).values()) == [(None, 3)]
+
+
+def test_variable_storage_is_a_tf_variable():
+    v = keras.Variable(np.ones((2,), "float32"))
+    assert isinstance(_compat.variable_storage(v), tf.Variable)
+
+
+def test_set_backup_directory(tmp_path):
+    cb = keras.callbacks.BackupAndRestore(str(tmp_path / "a"))
+    _compat.set_backup_directory(cb, str(tmp_path / "b"))
+    assert cb.backup_dir == str(tmp_path / "b")
+    assert cb._weights_path == os.path.join(tmp_path, "b", "latest.weights.h5")
+    assert cb._training_metadata_path == os.path.join(tmp_path, "b", "training_metadata.json")
+    assert cb._prev_weights_path.endswith("latest.weights.h5.bkp")
+    # Keras derives exactly these paths itself from the directory it is given.
+    fresh = keras.callbacks.BackupAndRestore(str(tmp_path / "b"))
+    for attr in ("_weights_path", "_training_metadata_path", "_prev_weights_path",
+                 "_prev_training_metadata_path"):
+        assert getattr(cb, attr) == getattr(fresh, attr), attr
+
+
+def test_xplane_proto_parses_a_space():
+    pb = _compat.xplane_proto()
+    space = pb.XSpace()
+    space.planes.add().name = "/host:CPU"
+    assert pb.XSpace.FromString(space.SerializeToString()).planes[0].name == "/host:CPU"
+
+
+def test_resumed_epoch_after_backup_and_restore(tmp_path):
+    """Keras' BackupAndRestore makes a second fit resume at the epoch it was cut at."""
+    x, y = np.ones((8, 2), "float32"), np.zeros((8, 1), "float32")
+
+    class Stop(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    def fit(callbacks):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+        model.fit(x, y, epochs=4, verbose=0, callbacks=[backup, *callbacks])
+        return model
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit([Stop()])
+    assert _compat.resumed_epoch(fit([])) == 2
+    fresh = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert _compat.resumed_epoch(fresh) == 0

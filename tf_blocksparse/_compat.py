@@ -1,0 +1,166 @@
+"""Every use of a private TensorFlow or Keras API, in one place.
+
+The rest of the package calls these functions instead of reaching into ``keras.src``,
+``tf.__internal__`` or underscore attributes, so a TensorFlow / Keras upgrade that changes one
+of them breaks one contract test (``tests/test_compat.py`` holds one per hook) instead of
+training.  Tested with TensorFlow 2.21 and Keras 3.15 (:data:`TESTED`).
+
+TensorFlow and Keras are imported inside the functions, so TF-free modules (the block-rule
+table) may import this module.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+#: The versions these hooks are checked against (``tests/test_compat.py``).
+TESTED = {"tensorflow": "2.21", "keras": "3.15"}
+
+
+# -- Keras optimizer -----------------------------------------------------------------------
+def _pass_through(grads_and_vars: Any) -> list:
+    return list(grads_and_vars)
+
+
+def disable_gradient_all_reduce(optimizer: Any) -> None:
+    """Makes a Keras optimizer apply gradients without its own cross-replica sum.
+
+    Keras' TensorFlow optimizer sums the gradients over replicas in
+    ``_all_reduce_sum_gradients`` before ``_backend_update_step``; a wrapper that already
+    exchanged them replaces that step with the identity.
+    """
+    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise RuntimeError(
+            f"{type(optimizer).__name__} has no `_all_reduce_sum_gradients`: this Keras "
+            f"version is not supported (tested: Keras {TESTED['keras']})")
+    optimizer._all_reduce_sum_gradients = _pass_through
+
+
+def gradient_all_reduce_disabled(optimizer: Any) -> bool:
+    """Whether :func:`disable_gradient_all_reduce` was applied to ``optimizer``."""
+    return getattr(optimizer, "_all_reduce_sum_gradients", None) is _pass_through
+
+
+def no_automatic_dependency_tracking(fn: Callable) -> Callable:
+    """Keras' decorator that stops attribute assignments in ``fn`` from being tracked (lists
+    assigned in an optimizer's ``build`` stay plain lists)."""
+    from keras.src.utils import tracking
+
+    return tracking.no_automatic_dependency_tracking(fn)
+
+
+# -- tf.distribute -------------------------------------------------------------------------
+def strategy_supports_no_merge_call() -> bool:
+    """Whether the current strategy runs replica-context collectives without ``merge_call``
+    (``MultiWorkerMirroredStrategy`` does; ``MirroredStrategy`` on CPUs does not)."""
+    import tensorflow as tf
+
+    return bool(tf.__internal__.distribute.strategy_supports_no_merge_call())
+
+
+def strategy_cross_device_ops(strategy: Any) -> Any:
+    """The ``CrossDeviceOps`` instance a ``MirroredStrategy`` reduces with."""
+    return strategy.extended._cross_device_ops
+
+
+# -- Keras layers and models ---------------------------------------------------------------
+def flatten_layers(model: Any) -> list[Any]:
+    """Every layer inside ``model``, nested ones included (not ``model`` itself); a model
+    without Keras' layer walk gives its ``layers``."""
+    walk = getattr(model, "_flatten_layers", None)
+    if walk is None:
+        return list(getattr(model, "layers", []))
+    return list(walk(include_self=False))
+
+
+def own_trainable_variables(layer: Any) -> list[Any]:
+    """The trainable variables ``layer`` created itself (not those of nested layers)."""
+    return list(getattr(layer, "_trainable_variables", ()))
+
+
+def variable_owners(variables: Iterable[Any], layers: Iterable[Any] | None = None
+                    ) -> dict[int, Any]:
+    """Maps ``id(variable)`` to the Keras layer that created it.
+
+    Args:
+      variables: The variables to look up.
+      layers: Layers to search; ``None`` searches every live Keras layer (one pass over the
+        garbage collector's objects), for an optimizer that only sees variables.
+    """
+    wanted = {id(v) for v in variables}
+    if layers is None:
+        import keras
+
+        layers = (o for o in gc.get_objects() if isinstance(o, keras.layers.Layer))
+    owners: dict[int, Any] = {}
+    for layer in layers:
+        for v in own_trainable_variables(layer):
+            if id(v) in wanted:
+                owners.setdefault(id(v), layer)
+    return owners
+
+
+def keras_history(tensor: Any) -> Any:
+    """The ``(operation, node_index, tensor_index)`` record of a symbolic Keras tensor, or
+    ``None`` for a tensor no layer produced."""
+    return getattr(tensor, "_keras_history", None)
+
+
+def nodes_by_depth(model: Any) -> dict[int, list[Any]] | None:
+    """A functional model's layer graph ``{depth: [node]}`` (``None`` for subclassed ones)."""
+    return getattr(model, "_nodes_by_depth", None)
+
+
+def build_input_shapes(model: Any) -> dict[str, Any]:
+    """The input shapes a built subclassed model recorded at ``build`` (may be empty)."""
+    return getattr(model, "_build_shapes_dict", None) or {}
+
+
+def variable_storage(variable: Any) -> Any:
+    """The TF variable behind a Keras variable (what ``.value`` wraps under autocast)."""
+    return getattr(variable, "_value", variable)
+
+
+# -- Keras callbacks -----------------------------------------------------------------------
+BACKUP_FILES = {"_weights_path": "latest.weights.h5",
+                "_training_metadata_path": "training_metadata.json"}
+
+
+def set_backup_directory(callback: Any, directory: str) -> None:
+    """Points a ``keras.callbacks.BackupAndRestore`` at ``directory`` after construction
+    (Keras derives its file paths once, in ``__init__``)."""
+    import os
+
+    for attr in (*BACKUP_FILES, "_prev_weights_path", "_prev_training_metadata_path"):
+        if not hasattr(callback, attr):
+            raise RuntimeError(f"keras.callbacks.BackupAndRestore has no `{attr}`: this Keras "
+                               f"version is not supported (tested: Keras {TESTED['keras']})")
+    callback.backup_dir = directory
+    for attr, name in BACKUP_FILES.items():
+        setattr(callback, attr, os.path.join(directory, name))
+    callback._prev_weights_path = f"{callback._weights_path}.bkp"
+    callback._prev_training_metadata_path = f"{callback._training_metadata_path}.bkp"
+
+
+def resumed_epoch(model: Any) -> int:
+    """The epoch a ``BackupAndRestore`` callback made ``model.fit`` resume from (0 if none)."""
+    return int(getattr(model, "_initial_epoch", 0) or 0)
+
+
+# -- Profiler traces -----------------------------------------------------------------------
+def xplane_proto() -> Any:
+    """TensorFlow's ``xplane_pb2`` module (the profiler's trace format)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    return xplane_pb2
+
+
+__all__: Sequence[str] = [
+    "TESTED", "build_input_shapes", "disable_gradient_all_reduce", "flatten_layers",
+    "gradient_all_reduce_disabled", "keras_history", "no_automatic_dependency_tracking",
+    "nodes_by_depth", "own_trainable_variables", "resumed_epoch", "set_backup_directory",
+    "strategy_cross_device_ops", "strategy_supports_no_merge_call", "variable_owners",
+    "variable_storage", "xplane_proto",
+]
