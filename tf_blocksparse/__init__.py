@@ -14,8 +14,8 @@ from tf_blocksparse import clipping, planning
 from tf_blocksparse.blocks import BlockLayout, BlockRule, block_table, format_block_table
 from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
 from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps
-from tf_blocksparse.distribute.hybrid import HybridTrainer
-from tf_blocksparse.distribute.pipeline import PipelineTrainer
+from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
+from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 from tf_blocksparse.feedback import BlockTopK, ElementTopK, Payload
 from tf_blocksparse.keras.backup import BackupAndRestore, save_model
