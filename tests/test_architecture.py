@@ -27,6 +27,6 @@ def test_core_module_imports_no_adapter(module):
 
 
 def test_block_table_and_planners_are_tensorflow_free():
-    paths = [PKG / "blocks.py", *sorted((PKG / "planning").glob("*.py"))]
+    paths = [PKG / "blocks.py", *sorted((PKG / "planning").rglob("*.py"))]
     for path in paths:
         assert not any(n.split(".")[0] in ("tensorflow", "keras") for n in _imports(path)), path

@@ -1,4 +1,4 @@
-"""Hybrid conv/FC training (SPEC S4): split, equivalence, host placement, block-sparse groups,
+"""Hybrid conv/FC training: split, equivalence, host placement, block-sparse groups,
 per-layer sync dependencies, launch scripts.
 
 In-process tests use the two logical CPUs of ``conftest.py`` (replicas may share a device); the

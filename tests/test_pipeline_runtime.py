@@ -1,4 +1,4 @@
-"""Pipeline runtime and layer profiler (SPEC S3, steps 1 and 4).
+"""Pipeline runtime (PipelineTrainer) and the layer profiler that feeds the planner.
 
 The in-process tests run on the two logical CPUs of ``conftest.py``; the layouts that need
 three or four devices reuse a logical CPU (``allow_device_reuse=True``), and one test runs a
