@@ -1000,7 +1000,7 @@ HYBRID = [
         import numpy as np
         import tensorflow as tf
 
-        from tf_blocksparse.distribute.hybrid import HybridTrainer
+        from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
         from tf_blocksparse.keras.hybrid_split import find_boundary, layer_memory, split_model
         from tf_blocksparse.keras.profiler import measure_layers
         from tf_blocksparse.planning.placement import (

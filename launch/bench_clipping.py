@@ -111,7 +111,7 @@ from launch.bench_fusion import (  # noqa: E402
 from models.resnet import resnet20  # noqa: E402
 from tf_blocksparse import BlockSparseOptimizer  # noqa: E402
 from tf_blocksparse.clipping import LocalNormClip  # noqa: E402
-from tf_blocksparse.planning.balanced import plan_backward  # noqa: E402
+from tf_blocksparse.planning.fusion import plan_backward  # noqa: E402
 
 FLAGS = flags.FLAGS
 MODELS = ("resnet20", "small_cnn")

@@ -7,19 +7,19 @@ Prints one JSON object (all in one process) with:
     bytes; execution order *derived* from a trace of the forward pass, the reverse of the order
     it first reads the variables, :mod:`tf_blocksparse.keras.forward_order`; every method gets
     that same order) and each ``--buffer_mib``: every method of
-    :func:`~tf_blocksparse.planning.compare.compare_plans` (groups, largest / smallest bytes,
+    :func:`~tf_blocksparse.planning.compare_plans` (groups, largest / smallest bytes,
     imbalance, ``imbalance_excluding_oversized``: groups holding a tensor that fills the buffer
     left out, and the strict ``imbalance_excluding_single_oversized``: only groups that are one
     single tensor larger than the buffer left out), the exact optimum of the former over every
-    valid plan (:func:`~tf_blocksparse.planning.balanced.min_imbalance`: whether 1.25 is
+    valid plan (:func:`~tf_blocksparse.planning.min_imbalance`: whether 1.25 is
     reachable at all) and whether the balanced plan meets ``largest/smallest <= 1.25`` either
     way.  ``defaults``: the baselines at their own defaults whatever the buffer (DDP: 25 MiB
     buckets, 1 MiB first bucket; Horovod greedy: 128 MiB).
 ``simulation``
     Gradient-ready times *measured* from real backward passes of ``--sim_model`` on this
     machine (one timestamp per gradient, median over ``--sim_steps`` steps, seconds after the
-    loss), fed to :func:`~tf_blocksparse.planning.schedule.simulate` (balanced plan) and
-    :func:`~tf_blocksparse.planning.schedule.simulate_greedy_cycles` (Horovod cycles) with a
+    loss), fed to :func:`~tf_blocksparse.planning.simulate` (balanced plan) and
+    :func:`~tf_blocksparse.planning.simulate_greedy_cycles` (Horovod cycles) with a
     ``--cycle_ms`` cycle and a buffer of ``total_bytes / --sim_buffer_divisor``.
 ``step_time``
     A 2-replica ``MirroredStrategy`` training step on the two logical CPUs (forward, loss /

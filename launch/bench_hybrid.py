@@ -7,7 +7,7 @@ the head holds ~98% of the parameters) is split at its conv/FC boundary and prof
 layer at the global batch (:func:`~tf_blocksparse.keras.profiler.measure_layers`).  The placement
 planner gets a per-device budget of ``--device_memory_budget`` MiB, smaller than what the head
 needs on the device (weights, gradients, momentum), and offloads head layers to host memory
-(the expanded-memory emulation).  Then :class:`~tf_blocksparse.distribute.hybrid.HybridTrainer`
+(the expanded-memory emulation).  Then :class:`~tf_blocksparse.HybridTrainer`
 trains on synthetic data in three configurations, each timed (median of ``--steps`` steps after
 ``--warmup_steps``):
 
@@ -123,7 +123,7 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
     import tensorflow as tf
 
     from models.vgg import head_fraction, vgg_fc
-    from tf_blocksparse.distribute.hybrid import HybridTrainer
+    from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
     from tf_blocksparse.keras.hybrid_split import layer_memory
     from tf_blocksparse.keras.profiler import measure_layers
     from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement

@@ -11,7 +11,7 @@ Prints one JSON object with:
     figure is reported as ``cross_device_identity``), so the topology uses a same-memory copy
     (``x + 1`` into a fresh buffer: one read, one write).  The plan of
     :func:`~tf_blocksparse.planning.plan_pipeline` runs with
-    :class:`~tf_blocksparse.distribute.pipeline.PipelineTrainer` (median ``train_step`` time
+    :class:`~tf_blocksparse.distribute.pipeline_trainer.PipelineTrainer` (median ``train_step`` time
     over ``--steps`` after ``--warmup_steps``) next to the bandwidth-oblivious plan (one stage
     per device) and a one-stage one-device run of the same trainer, each beside the makespan
     :func:`~tf_blocksparse.planning.simulate_pipeline` predicts (GPipe schedule).  On a CPU
@@ -50,7 +50,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from models.registry import build_model  # noqa: E402
-from tf_blocksparse.distribute.pipeline import PipelineTrainer  # noqa: E402
+from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer  # noqa: E402
 from tf_blocksparse.keras.profiler import profile_model  # noqa: E402
 from tf_blocksparse.planning import (  # noqa: E402
     ModelProfile,

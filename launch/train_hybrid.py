@@ -5,7 +5,7 @@
 
 The model is split at its conv/FC boundary (or at ``--split_layer``, the first head layer);
 ``--conv_replicas`` replicas train the trunk and ``--fc_replicas`` replicas the head
-(:class:`~tf_blocksparse.distribute.hybrid.HybridTrainer`).  The placement planner
+(:class:`~tf_blocksparse.distribute.hybrid_trainer.HybridTrainer`).  The placement planner
 (:func:`~tf_blocksparse.planning.placement.plan_placement`) decides from
 ``--device_memory_budget`` / ``--expanded_memory_budget`` (MiB per device / per node, 0 = no
 limit) which layers keep their variables and optimizer state in host memory (``--offload=plan``;
@@ -214,7 +214,7 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
     import tensorflow as tf
 
     import tf_blocksparse as tfbs
-    from tf_blocksparse.distribute.pipeline_stages import split_sizes
+    from tf_blocksparse.distribute.slicing import split_sizes
 
     ops = None
     if strategy is None:
@@ -315,7 +315,7 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
 
     from launch import pipeline
     from models import registry
-    from tf_blocksparse.distribute.hybrid import HybridTrainer
+    from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
     from tf_blocksparse.keras.hybrid_split import layer_memory
     from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
 

@@ -59,6 +59,12 @@ def test_core_imports_no_adapter(path):
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 
+def test_block_rule_table_and_options_are_tensorflow_free():
+    for name in ("blocks.py", "options.py"):
+        bad = {n for n in _imports(PKG / name) if _under(n, ("tensorflow", "keras"))}
+        assert not bad, f"tf_blocksparse/{name} imports {sorted(bad)}"
+
+
 @pytest.mark.parametrize("path", PLANNING, ids=_rel)
 def test_planning_is_tensorflow_free(path):
     allowed_core = ("tf_blocksparse.planning",)

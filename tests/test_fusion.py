@@ -1,4 +1,4 @@
-"""Balanced tensor fusion (SPEC S1): offline planners, online scheduler, cycle simulator."""
+"""Balanced tensor fusion: offline planners, online scheduler, cycle simulator."""
 
 import ast
 import itertools
@@ -347,28 +347,53 @@ def test_simulate_all_ready_at_once_gives_plan_groups():
 
 
 def test_planning_modules_do_not_import_tensorflow():
-    # The parent package's __init__ imports TF; stub it so only planning/ itself is loaded.
+    # The parent package's __init__ imports TF; stub it so only planning/ itself is loaded,
+    # then import every module of planning/ and its subpackages.
     code = (
-        "import sys, types\n"
+        "import importlib, pkgutil, sys, types\n"
         f"pkg = types.ModuleType('tf_blocksparse'); pkg.__path__ = [{str(PLANNING.parent)!r}]\n"
         "sys.modules['tf_blocksparse'] = pkg\n"
-        "import tf_blocksparse.planning, tf_blocksparse.planning.fusion\n"
-        "import tf_blocksparse.planning.balanced\n"
-        "import tf_blocksparse.planning.schedule\n"
+        "import tf_blocksparse.planning as P\n"
+        "names = [m.name for m in pkgutil.walk_packages(P.__path__, 'tf_blocksparse.planning.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "assert 'tf_blocksparse.planning.fusion.balanced' in names, names\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
         "assert not bad, bad\n"
+        "print(len(names))\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    for name in ("__init__.py", "fusion.py", "balanced.py", "schedule.py"):
-        tree = ast.parse((PLANNING / name).read_text())
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                         capture_output=True, text=True)
+    paths = sorted(PLANNING.rglob("*.py"))
+    assert int(out.stdout) == len(paths) - 1  # every module but planning/__init__.py
+    for path in paths:
+        tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 roots = [a.name.split(".")[0] for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 roots = [(node.module or "").split(".")[0]]
+                if node.level == 0 and node.module and node.module.startswith("tf_blocksparse"):
+                    # within the package, planning may only import planning
+                    assert node.module.startswith("tf_blocksparse.planning"), (path, node.module)
             else:
                 continue
-            assert not {"tensorflow", "keras"} & set(roots), (name, roots)
+            assert not {"tensorflow", "keras"} & set(roots), (path, roots)
+
+
+@pytest.mark.xfail(strict=True, reason="tf_blocksparse/__init__.py still imports the TF adapters "
+                   "eagerly; remove this marker once the package imports them lazily")
+def test_import_planning_does_not_import_tensorflow():
+    # the real package, not a stub: what a user gets from `import tf_blocksparse.planning`
+    code = (
+        f"import sys; sys.path.insert(0, {str(PLANNING.parents[1])!r})\n"
+        "import tf_blocksparse.planning\n"
+        "assert tf_blocksparse.planning.__file__.startswith(sys.path[0]), "
+        "tf_blocksparse.planning.__file__\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
+        "assert not bad, bad[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_balanced_full_tensor_cases():

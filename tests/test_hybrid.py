@@ -1,4 +1,4 @@
-"""Hybrid conv/FC training (SPEC S4): split, equivalence, host placement, block-sparse groups,
+"""Hybrid conv/FC training: split, equivalence, host placement, block-sparse groups,
 per-layer sync dependencies, launch scripts.
 
 In-process tests use the two logical CPUs of ``conftest.py`` (replicas may share a device); the
@@ -20,8 +20,8 @@ import tensorflow as tf
 
 from launch.train_hybrid import train_data_parallel
 from models.vgg import vgg_fc
-from tf_blocksparse.distribute.hybrid import HybridTrainer
 from tf_blocksparse.distribute.hybrid_sync import ancestors
+from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
 from tf_blocksparse.keras.hybrid_split import find_boundary, layer_memory, split_model
 from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
 

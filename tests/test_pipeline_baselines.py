@@ -1,4 +1,4 @@
-"""Pipeline planner baselines (SPEC S3): PipeDream's DP, the oblivious split, the comparison."""
+"""Pipeline planner baselines: PipeDream's DP, the oblivious split, the comparison."""
 
 import itertools
 import math
@@ -12,7 +12,7 @@ from tf_blocksparse.planning import (
     ModelProfile,
     Topology,
     compare_pipeline_plans,
-    pipeline_baselines,
+    pipedream_levels,
     plan_bruteforce,
     plan_oblivious,
     plan_pipedream,
@@ -159,7 +159,7 @@ def test_compare_pipeline_plans_on_a_two_level_cluster():
         assert r["devices_used"] == len(r["devices"])
     dp, pd, ob = (r["bottleneck_s"] for r in rows)
     assert dp <= pd * (1 + 1e-12) and dp < ob
-    assert pipeline_baselines.pipedream_levels(t)[0] == (0, 2, 1, 3)
+    assert pipedream_levels(t)[0] == (0, 2, 1, 3)
     assert dp < plan_pipedream(p, t, level_bandwidth="mean").bottleneck_s
     assert compare_pipeline_plans(p, t, [plan_oblivious(p, t)])[0]["method"] == "oblivious"
 
@@ -204,7 +204,7 @@ def test_pipedream_two_levels_by_hand():
     # each, parameters 1 byte each, layer 0 outputs 50 bytes.
     t = two_level(2, 2, 100.0, 10.0)
     p = prof([4.0, 4.0], act=[50, 0], params=[1, 1])
-    assert pipeline_baselines.pipedream_levels(t) == ((0, 1, 2, 3), ((2, 100.0), (2, 10.0)))
+    assert pipedream_levels(t) == ((0, 1, 2, 3), ((2, 100.0), (2, 10.0)))
     # Level 1 (one node): A1(0..0) = min(4, 4/2 + 4*1*1/(2*100)) = 2.02 = A1(1..1);
     # A1(0..1) = min(T(1) = 8, T(2) = 4 + 4*2/200 = 4.04, split max(4, 2*50/100, 4) = 4) = 4
     # (layer 0 on the node's first device, layer 1 on its second).
@@ -228,7 +228,7 @@ def test_pipedream_three_levels_and_bad_levels():
     bw = [[0.0 if a == b else 100.0 if (rack[a], node[a]) == (rack[b], node[b]) else
            10.0 if rack[a] == rack[b] else 1.0 for b in range(8)] for a in range(8)]
     t = Topology(bw)
-    order, levels = pipeline_baselines.pipedream_levels(t)
+    order, levels = pipedream_levels(t)
     assert order == (0, 4, 2, 6, 1, 5, 3, 7) and levels == ((2, 100.0), (2, 10.0), (2, 1.0))
     p = random_profile(7, seed=3, param_bytes=(1e2, 1e4), activation_bytes=(1e2, 1e3))
     plan = plan_pipedream(p, t)

@@ -1,4 +1,4 @@
-"""Bandwidth-aware pipeline planner (SPEC S3): profiles, topologies, cost model, DP, searches."""
+"""Bandwidth-aware pipeline planner: profiles, topologies, cost model, DP, searches."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""Pipeline runtime and layer profiler (SPEC S3, steps 1 and 4).
+"""Pipeline runtime (PipelineTrainer) and the layer profiler that feeds the planner.
 
 The in-process tests run on the two logical CPUs of ``conftest.py``; the layouts that need
 three or four devices reuse a logical CPU (``allow_device_reuse=True``), and one test runs a
@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 from models.cnn import cnn_small
-from tf_blocksparse.distribute.pipeline import PipelineTrainer
+from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
 from tf_blocksparse.keras.profiler import chain_layers, measure_layers, profile_model
 from tf_blocksparse.planning import Topology, plan_pipeline
 
@@ -112,7 +112,7 @@ _FOUR_DEVICES = textwrap.dedent("""
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
     import keras, numpy as np
     from models.cnn import cnn_small
-    from tf_blocksparse.distribute.pipeline import PipelineTrainer
+    from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
     model = cnn_small((8, 8, 1), 10, seed=0)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 8, 8, 1)).astype("float32")

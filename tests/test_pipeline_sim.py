@@ -1,4 +1,4 @@
-"""Pipeline schedule simulator (SPEC S3 step 4): hand-computed timelines and bounds."""
+"""Pipeline schedule simulator: hand-computed timelines and bounds."""
 
 import pytest
 from hypothesis import given, settings

@@ -1,4 +1,4 @@
-"""Topology: exact bandwidth-order ties and hierarchy (levels) detection (SPEC S3)."""
+"""Topology: exact bandwidth-order ties and hierarchy (levels) detection."""
 
 from tf_blocksparse.planning import Topology
 

@@ -5,7 +5,7 @@ pipeline runtime and the worker servers / client connection for training across 
 from tf_blocksparse.distribute import remote
 from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
 from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps
-from tf_blocksparse.distribute.pipeline import PipelineTrainer
+from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 
 __all__ = ["BlockSparseCrossDeviceOps", "FusedCrossDeviceOps", "MultiWorkerMirroredStrategy",

@@ -21,8 +21,7 @@ import tensorflow as tf
 from tf_blocksparse import codec
 from tf_blocksparse.distribute.batches import is_gradient_batch
 from tf_blocksparse.keras.forward_order import backward_ranks
-from tf_blocksparse.planning.balanced import plan_backward
-from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
 
 
 class FusedCrossDeviceOps(tf.distribute.ReductionToOneDevice):

@@ -1,9 +1,8 @@
-"""Replicas and in-group gradient sync of the hybrid conv/FC runtime (SPEC S4).
+"""In-group gradient sync of the hybrid conv/FC runtime.
 
-:class:`PartReplica` is one device's copy of a model part (the conv trunk or the FC head): the
-part's layer objects, called inside a :class:`keras.StatelessScope` that maps their variables
-to the replica's own copies, each copy created on the device the placement gives its layer
-(the replica's compute device, or the host device for layers in "expanded" memory).
+The replicas of a group are :class:`~tf_blocksparse.distribute.replica.Replica`\\ s of a model
+part (the conv trunk or the FC head), each variable copy on the device the placement gives its
+layer (the replica's compute device, or the host device for layers in "expanded" memory).
 
 :class:`GroupSync` sums one group's per-replica gradients **variable by variable**: the sum of
 variable ``v`` depends only on the replicas' gradients of ``v``, so it can start as soon as
@@ -19,19 +18,20 @@ replica's variable device.
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tf_blocksparse import blocks, selection
-from tf_blocksparse.distribute.pipeline_stages import device_key, split_sizes
+from tf_blocksparse.distribute.devices import device_key
+from tf_blocksparse.distribute.replica import Replica
+from tf_blocksparse.distribute.slicing import split_sizes
 from tf_blocksparse.feedback import BlockTopK, validate_k_density
 
-__all__ = ["GroupSync", "PartReplica", "ancestors", "check_compression", "check_devices",
+__all__ = ["GroupSync", "ancestors", "check_compression", "check_devices",
            "gradient_dependencies", "replica_report", "row_sizes", "variable_bytes"]
 
 
@@ -136,7 +136,7 @@ def _device(var: Any) -> str:
     return var.value.device if isinstance(var, keras.Variable) else var.device
 
 
-def replica_report(rep: PartReplica, optimizers: Sequence[keras.optimizers.Optimizer],
+def replica_report(rep: Replica, optimizers: Sequence[keras.optimizers.Optimizer],
                    residuals: Sequence[tf.Variable]) -> dict[str, Any]:
     """The compute device and the device of every variable a replica owns, by path."""
     return {
@@ -148,66 +148,13 @@ def replica_report(rep: PartReplica, optimizers: Sequence[keras.optimizers.Optim
     }
 
 
-def variable_bytes(rep: PartReplica, optimizers: Sequence[keras.optimizers.Optimizer],
+def variable_bytes(rep: Replica, optimizers: Sequence[keras.optimizers.Optimizer],
                    residuals: Sequence[tf.Variable]) -> list[tuple[str, int]]:
     """``(device, bytes)`` of every variable a replica owns (copies, slots, residuals)."""
     owned = [*rep.trainable, *rep.non_trainable,
              *(v for opt in optimizers for v in opt.variables), *residuals]
     return [(_device(v), math.prod(int(d) for d in v.shape) * tf.as_dtype(v.dtype).size)
             for v in owned]
-
-
-def _safe_name(path: str) -> str:
-    return path.replace("/", "_").replace(":", "_")
-
-
-class PartReplica:
-    """One device's copy of a model part.
-
-    Attributes:
-        part: The part (a functional model sharing the original layers).
-        device: The compute device.
-        trainable_refs: The original model's trainable variables of the part.
-        trainable: The replica's copies, same order; ``var_devices[i]`` holds copy ``i``.
-        owners: ``owners[i]``: name of the top-level layer owning variable ``i``.
-        non_trainable: Copies of the non-trainable variables (e.g. BatchNorm statistics).
-    """
-
-    def __init__(self, part: keras.Model, device: str,
-                 device_of_layer: Callable[[str], str]) -> None:
-        self.part = part
-        self.device = device
-        owner_of = {id(v): layer.name for layer in part.layers for v in layer.variables}
-        self.trainable_refs = list(part.trainable_variables)
-        self.non_trainable_refs = list(part.non_trainable_variables)
-        self.owners = [owner_of[id(v)] for v in self.trainable_refs]
-        self.var_devices = [device_of_layer(o) for o in self.owners]
-        self.trainable = [self._copy(v, d, True)
-                          for v, d in zip(self.trainable_refs, self.var_devices)]
-        self.non_trainable = [self._copy(v, device_of_layer(owner_of[id(v)]), False)
-                              for v in self.non_trainable_refs]
-        self._training = "training" in inspect.signature(part.call).parameters
-
-    @staticmethod
-    def _copy(ref: keras.Variable, device: str, trainable: bool) -> keras.Variable:
-        with tf.device(device):  # from numpy: a Variable built from a Variable would alias it
-            return keras.Variable(ref.numpy(), trainable=trainable, dtype=ref.dtype,
-                                  name=_safe_name(ref.path))
-
-    def forward(self, x: tf.Tensor) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        """Runs the part in training mode on this replica's variables.
-
-        Args:
-            x: Part input [b, ...].
-
-        Returns:
-            ``(y, new_non_trainable)``: the output [b, ...] and the updated state values.
-        """
-        mapping = list(zip(self.trainable_refs, self.trainable)) + \
-            list(zip(self.non_trainable_refs, self.non_trainable))
-        with keras.StatelessScope(mapping) as scope:
-            y = self.part(x, training=True) if self._training else self.part(x)
-        return y, [scope.get_current_value(v) for v in self.non_trainable_refs]
 
 
 class GroupSync:
@@ -220,7 +167,7 @@ class GroupSync:
         name: Group name (``"conv"`` / ``"fc"``), used in op and variable names.
     """
 
-    def __init__(self, replicas: Sequence[PartReplica], model: keras.Model,
+    def __init__(self, replicas: Sequence[Replica], model: keras.Model,
                  compression: Mapping[str, Any] | None, name: str) -> None:
         self.replicas = list(replicas)
         self.name = name

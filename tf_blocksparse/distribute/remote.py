@@ -5,8 +5,8 @@ connects to them (:func:`connect`) and builds the trainers with the devices it g
 ``/job:worker/replica:0/task:<i>/device:CPU:0``.  Variables created under such a device live
 in task ``i``; a ``tf.function`` whose ops carry those device scopes is partitioned by TF and
 runs on every task at once, TF moving the tensors between tasks over gRPC.  So
-:class:`~tf_blocksparse.distribute.pipeline.PipelineTrainer` and
-:class:`~tf_blocksparse.distribute.hybrid.HybridTrainer` span processes (or machines)
+:class:`~tf_blocksparse.distribute.pipeline_trainer.PipelineTrainer` and
+:class:`~tf_blocksparse.distribute.hybrid_trainer.HybridTrainer` span processes (or machines)
 unchanged: pass them these device names.
 
 The cluster is a ``{"worker": ["host:port", ...], "chief": ["host:port"]}`` mapping (the

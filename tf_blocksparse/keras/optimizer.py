@@ -48,8 +48,7 @@ from tf_blocksparse.keras.optimizer_args import (
     no_all_reduce,
     validate_arguments,
 )
-from tf_blocksparse.planning.balanced import plan_backward
-from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
 from tf_blocksparse.unitwise import layout_unit_axes
 
 __all__ = ["BlockSparseOptimizer", "GRANULARITIES", "NONFINITE", "STAT_NAMES",

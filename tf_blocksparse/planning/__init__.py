@@ -1,53 +1,55 @@
 """Pure-Python planners (no TensorFlow import): decide offline, before a strategy exists.
 
-- :mod:`~tf_blocksparse.planning.fusion`: fusion plans (SPEC S1) and the TF / DDP / Horovod
-  bucketing baselines; :mod:`~tf_blocksparse.planning.balanced`: the balanced planner;
-  :mod:`~tf_blocksparse.planning.compare`: every method side by side.
-- :mod:`~tf_blocksparse.planning.schedule`: the online per-cycle fusion scheduler and a cycle
-  simulator.
-- :mod:`~tf_blocksparse.planning.profile` (per-layer model profiles),
-  :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths),
-  :mod:`~tf_blocksparse.planning.pipeline_cost` (pipeline plans and their cost model),
-  :mod:`~tf_blocksparse.planning.pipeline` (the bandwidth-aware pipeline planner, SPEC S3, with
-  exhaustive and brute-force checks), :mod:`~tf_blocksparse.planning.pipeline_baselines`
-  (PipeDream and bandwidth-oblivious baselines) and
-  :mod:`~tf_blocksparse.planning.pipeline_sim` (GPipe / 1F1B schedule simulator).
-- :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement (SPEC S4).
-- :mod:`~tf_blocksparse.planning.scaling`: alpha-beta cost model of the exchanges.
+Grouped by topic; every public name below is importable from ``tf_blocksparse.planning``.
 
-Other planners live beside these as sibling modules.
+- :mod:`~tf_blocksparse.planning.fusion`: balanced tensor fusion -- fusion plans, the balanced
+  planner, the TF / DDP / Horovod bucketing baselines, every method side by side, and the online
+  per-cycle scheduler with its cycle simulator.
+- :mod:`~tf_blocksparse.planning.pipeline`: pipeline plans and their cost model, the
+  bandwidth-aware pipeline planner (with exhaustive and brute-force checks), the PipeDream and
+  bandwidth-oblivious baselines, and the GPipe / 1F1B schedule simulator.
+- :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement on devices and
+  expanded memory.
+- :mod:`~tf_blocksparse.planning.scaling`: alpha-beta cost model of the exchanges.
+- Shared inputs: :mod:`~tf_blocksparse.planning.profile` (per-layer model profiles) and
+  :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths).
 """
 
-from .balanced import min_imbalance, plan_backward, plan_balanced
-from .compare import compare_plans, plan_summary
 from .fusion import (
     FusionGroup,
     FusionPlan,
+    FusionScheduler,
     TensorSpec,
+    compare_plans,
     execution_order,
+    min_imbalance,
+    plan_backward,
+    plan_balanced,
     plan_ddp,
     plan_horovod_greedy,
+    plan_summary,
     plan_tf_group_by_size,
+    simulate,
+    simulate_greedy_cycles,
 )
 from .pipeline import (
     PipelinePlan,
     Stage,
+    compare_pipeline_plans,
     evaluate_stages,
     make_plan,
+    pipedream_levels,
     plan_bruteforce,
     plan_cost,
     plan_exhaustive,
+    plan_oblivious,
+    plan_pipedream,
     plan_pipeline,
+    schedule_order,
+    simulate_pipeline,
     stage_time,
     validate_plan,
 )
-from .pipeline_baselines import (
-    compare_pipeline_plans,
-    pipedream_levels,
-    plan_oblivious,
-    plan_pipedream,
-)
-from .pipeline_sim import schedule_order, simulate_pipeline
 from .placement import (
     LayerMemory,
     LayerPlacement,
@@ -68,7 +70,6 @@ from .scaling import (
     scaling_efficiency,
     shared_mode_time,
 )
-from .schedule import FusionScheduler, simulate, simulate_greedy_cycles
 from .topology import Topology, homogeneous, random_heterogeneous, two_level
 
 __all__ = [
@@ -76,14 +77,14 @@ __all__ = [
     "execution_order", "min_imbalance", "plan_backward", "plan_balanced", "plan_ddp",
     "plan_horovod_greedy", "plan_summary", "plan_tf_group_by_size", "simulate",
     "simulate_greedy_cycles",
-    # pipeline planning (SPEC S3)
+    # pipeline planning
     "LayerProfile", "ModelProfile", "PipelinePlan", "Stage", "Topology",
     "compare_pipeline_plans", "evaluate_stages", "homogeneous", "make_plan", "plan_bruteforce",
     "pipedream_levels", "plan_cost", "plan_exhaustive", "plan_oblivious", "plan_pipedream",
     "plan_pipeline",
     "random_heterogeneous", "random_profile", "schedule_order", "simulate_pipeline",
     "stage_time", "synthetic_profile", "two_level", "validate_plan",
-    # memory-aware hybrid placement (SPEC S4)
+    # memory-aware hybrid placement
     "LayerMemory", "LayerPlacement", "MemoryBudget", "PlacementPlan", "evaluate_placement",
     "plan_placement",
     # alpha-beta scaling projection

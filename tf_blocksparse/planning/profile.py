@@ -1,10 +1,10 @@
-"""Per-layer model profiles for pipeline planning (SPEC S3, step 1).
+"""Per-layer model profiles: the planners' view of a chain model.
 
 A profile lists the layers of a chain model in forward order with, per layer, the measured
 compute time (forward + backward of one micro-batch), the bytes of its output activation (what
 crosses a stage cut placed after it) and the bytes of its parameters.  Pure Python: the TF
-profiler that measures real models lives elsewhere; here are the containers, their JSON form and
-synthetic builders for benchmarks and tests.
+profiler that measures real models is :func:`tf_blocksparse.keras.profiler.profile_model`;
+here are the containers, their JSON form and synthetic builders for benchmarks and tests.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cluster model for pipeline planning (SPEC S3, step 2): devices and pairwise bandwidths.
+"""Cluster model for the planners: devices and pairwise bandwidths.
 
 A :class:`Topology` is a symmetric matrix of link bandwidths in bytes/s between every pair of
 devices; the diagonal is ignored (stored as 0).  Builders make homogeneous, two-level
@@ -91,7 +91,7 @@ class Topology:
         return math.fsum(self.bandwidth[d])
 
     def bandwidth_order(self) -> tuple[int, ...]:
-        """Device ids by total bandwidth, highest first; ties by lower id (SPEC S3 step 2)."""
+        """Device ids by total bandwidth, highest first; ties by lower id (the planner's order)."""
         totals = [self.total_bandwidth(d) for d in range(self.num_devices)]
         return tuple(sorted(range(self.num_devices), key=lambda d: (-totals[d], d)))
 
@@ -206,7 +206,7 @@ class Topology:
         """``n`` devices with pairwise bandwidths uniform in ``[(1-spread), 1] * base``.
 
         So the slowest link is at least ``(1 - spread)`` times the fastest (links differ by up
-        to ``spread``, SPEC S3: ~80%).  Symmetric, deterministic per ``seed``.
+        to ``spread``, e.g. ~80%).  Symmetric, deterministic per ``seed``.
         """
         _check_count("n", n)
         if not 0 <= spread < 1:

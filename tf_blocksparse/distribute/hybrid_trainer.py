@@ -1,4 +1,4 @@
-"""Hybrid conv/FC training with the FC group's state in (emulated) expanded memory (SPEC S4).
+"""Hybrid conv/FC training with the FC group's state in (emulated) expanded memory.
 
 The model is split at its conv/FC boundary (:func:`~tf_blocksparse.keras.hybrid_split.
 find_boundary`).  Group A: ``I`` replicas train the conv trunk data-parallel on
@@ -52,7 +52,6 @@ import tensorflow as tf
 from tf_blocksparse.distribute.fit import FitLoop
 from tf_blocksparse.distribute.hybrid_sync import (
     GroupSync,
-    PartReplica,
     check_compression,
     check_devices,
     gradient_dependencies,
@@ -60,8 +59,9 @@ from tf_blocksparse.distribute.hybrid_sync import (
     row_sizes,
     variable_bytes,
 )
-from tf_blocksparse.distribute.pipeline import _make_optimizer, _per_example_loss, loss_part
-from tf_blocksparse.distribute.pipeline_stages import reslice
+from tf_blocksparse.distribute.losses import loss_part, per_example_loss
+from tf_blocksparse.distribute.replica import Replica, average_state, clone_optimizer
+from tf_blocksparse.distribute.slicing import reslice
 from tf_blocksparse.keras.hybrid_split import Boundary, find_boundary, split_model
 
 __all__ = ["HybridTrainer"]
@@ -78,7 +78,8 @@ class HybridTrainer(FitLoop):
         trunk: The conv part (a functional model over the original layers).
         head: The FC part.
         expanded_layers: Names of the layers whose state lives on ``host_device``.
-        replicas: ``{"conv": [PartReplica] * I, "fc": [PartReplica] * J}``.
+        replicas: ``{"conv": [Replica] * I, "fc": [Replica] * J}``
+            (:class:`~tf_blocksparse.distribute.replica.Replica`).
         syncs: ``{"conv": GroupSync, "fc": GroupSync}``.
         optimizers: ``optimizers[group][r]``: ``(optimizer, variable indices)`` per layer and
             variable device of replica ``r``.
@@ -122,11 +123,11 @@ class HybridTrainer(FitLoop):
         self.host_device = check_devices([host_device], "host_device")[0]
         self.expanded_layers = self._resolve_offload(offload)
         specs = self._resolve_compression(compression)
-        self._loss_fn = _per_example_loss(loss)
-        self.replicas: dict[str, list[PartReplica]] = {}
+        self._loss_fn = per_example_loss(loss)
+        self.replicas: dict[str, list[Replica]] = {}
         for group, part in (("conv", self.trunk), ("fc", self.head)):
             self.replicas[group] = [
-                PartReplica(part, dev, lambda name, d=dev: (
+                Replica(part, dev, lambda name, d=dev: (
                     self.host_device if name in self.expanded_layers else d))
                 for dev in devices[group]]
         self.syncs = {g: GroupSync(self.replicas[g], model, specs[g], g) for g in GROUPS}
@@ -174,14 +175,14 @@ class HybridTrainer(FitLoop):
         return {g: spec for g in GROUPS}
 
     @staticmethod
-    def _build_optimizers(rep: PartReplica, optimizer: Any) -> list:
+    def _build_optimizers(rep: Replica, optimizer: Any) -> list:
         groups: dict[tuple[str, str], list[int]] = {}
         for i, key in enumerate(zip(rep.owners, rep.var_devices)):
             groups.setdefault(key, []).append(i)
         entries = []
         for (_, dev), idxs in groups.items():
             with tf.device(dev):
-                opt = _make_optimizer(optimizer)
+                opt = clone_optimizer(optimizer)
                 opt.build([rep.trainable[i] for i in idxs])
             entries.append((opt, idxs))
         return entries
@@ -235,10 +236,7 @@ class HybridTrainer(FitLoop):
     def copy_to_model(self) -> None:
         """Writes replica 0's variables of both groups into the original model's variables."""
         for group in GROUPS:
-            rep = self.replicas[group][0]
-            for ref, var in zip(rep.trainable_refs + rep.non_trainable_refs,
-                                rep.trainable + rep.non_trainable):
-                ref.assign(var.value)
+            self.replicas[group][0].copy_to_refs()
 
     def placement(self) -> dict[str, Any]:
         """Where everything lives: the boundary, the expanded layers, and per group and
@@ -264,7 +262,7 @@ class HybridTrainer(FitLoop):
                     out[device] = out.get(device, 0) + n
         return out
 
-    def _owned(self, group: str) -> list[tuple[PartReplica, list, list]]:
+    def _owned(self, group: str) -> list[tuple[Replica, list, list]]:
         sync = self.syncs[group]
         return [(rep, self.optimizers[group][r], sync.residuals[r] if sync.residuals else [])
                 for r, rep in enumerate(self.replicas[group])]
@@ -302,9 +300,6 @@ class HybridTrainer(FitLoop):
 
     # ------------------------------------------------------------------------ the step
 
-    def _loss_part(self, y: tf.Tensor, logits: tf.Tensor, batch: int) -> tf.Tensor:
-        return loss_part(self._loss_fn, y, logits, batch)
-
     def _step(self, x: Any, y: Any, record: dict | None, update: bool) -> Any:
         x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
         if x.shape.rank is None or x.shape[0] is None or y.shape[0] != x.shape[0]:
@@ -329,7 +324,7 @@ class HybridTrainer(FitLoop):
                 with tf.GradientTape() as tape:
                     tape.watch(h)
                     logits, state = rep.forward(h)
-                    part = self._loss_part(y[start:start + rows], logits, batch)
+                    part = loss_part(self._loss_fn, y[start:start + rows], logits, batch)
                 g = tape.gradient(part, [h, *rep.trainable])
             start += rows
             losses.append(part)
@@ -352,11 +347,11 @@ class HybridTrainer(FitLoop):
             return loss, totals
         for group in ("fc", "conv"):
             self._apply(group, per_rep[group])
-            self._average_state(group, states[group])
+            average_state(self.replicas[group], states[group])
         return loss
 
     @staticmethod
-    def _fill(grads: Sequence[Any], rep: PartReplica) -> list[tf.Tensor]:
+    def _fill(grads: Sequence[Any], rep: Replica) -> list[tf.Tensor]:
         return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, rep.trainable)]
 
     def _apply(self, group: str, per_rep: list[list[tf.Tensor]]) -> None:
@@ -364,15 +359,3 @@ class HybridTrainer(FitLoop):
             for opt, idxs in entries:
                 with tf.device(rep.var_devices[idxs[0]]):
                     opt.apply_gradients([(grads[i], rep.trainable[i]) for i in idxs])
-
-    def _average_state(self, group: str, states: list[list[tf.Tensor]]) -> None:
-        reps = self.replicas[group]
-        for i in range(len(reps[0].non_trainable)):
-            values = [st[i] for st in states]
-            with tf.device(reps[0].device):
-                value = values[0]
-                if len(values) > 1 and tf.as_dtype(values[0].dtype).is_floating:
-                    value = tf.add_n(values) / len(values)
-            for rep in reps:
-                with tf.device(rep.non_trainable[i].value.device):
-                    rep.non_trainable[i].assign(value)

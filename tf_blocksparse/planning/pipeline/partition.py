@@ -1,13 +1,12 @@
-"""Heterogeneous-network-aware pipeline partitioning and placement (SPEC S3, step 3).
+"""Heterogeneous-network-aware pipeline partitioning and placement.
 
-:func:`plan_pipeline` is the seed's planner: order the devices by total bandwidth (highest
-first, ties by lower id), then a min-max dynamic program with backtracking over consecutive
-layer ranges x runs of consecutive devices of that order, minimising the largest stage time of
-the cost model in :mod:`.pipeline_cost`.  A stage's run may start after unused devices (gaps),
-so its search space contains every "consecutive runs" assignment.  :func:`plan_exhaustive`
-enumerates that same space and :func:`plan_bruteforce` every device subset and ring order, for
-checks on small cases.  Pure Python + numpy; this module also re-exports the plan containers
-and the cost model.
+:func:`plan_pipeline` is the project's pipeline planner: order the devices by total bandwidth
+(highest first, ties by lower id), then a min-max dynamic program with backtracking over
+consecutive layer ranges x runs of consecutive devices of that order, minimising the largest
+stage time of the cost model in :mod:`~tf_blocksparse.planning.pipeline.plan`.  A stage's run may
+start after unused devices (gaps), so its search space contains every "consecutive runs"
+assignment.  :func:`plan_exhaustive` enumerates that same space and :func:`plan_bruteforce`
+every device subset and ring order, for checks on small cases.  Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -18,23 +17,11 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .pipeline_cost import (
-    PipelinePlan,
-    Stage,
-    evaluate_stages,
-    make_plan,
-    plan_cost,
-    stage_time,
-    validate_plan,
-)
-from .profile import LayerProfile, ModelProfile, random_profile, synthetic_profile
-from .topology import Topology
+from ..profile import ModelProfile
+from ..topology import Topology
+from .plan import PipelinePlan, make_plan, stage_time
 
-__all__ = [
-    "LayerProfile", "ModelProfile", "PipelinePlan", "Stage", "Topology", "evaluate_stages",
-    "make_plan", "plan_bruteforce", "plan_cost", "plan_exhaustive", "plan_pipeline",
-    "random_profile", "stage_time", "synthetic_profile", "validate_plan",
-]
+__all__ = ["plan_bruteforce", "plan_exhaustive", "plan_pipeline"]
 
 METHOD = "bandwidth_dp"
 _TIE_RTOL = 1e-12  # plans within this relative distance of the optimum count as optimal
@@ -150,7 +137,7 @@ def _backtrack(t: _Tables, g: np.ndarray, limit: float) -> list[tuple[int, int, 
 
 def plan_pipeline(profile: ModelProfile, topology: Topology,
                   device_order: Sequence[int] | None = None) -> PipelinePlan:
-    """The seed's planner: bandwidth-ordered devices + min-max DP with backtracking.
+    """The bandwidth-aware planner: bandwidth-ordered devices + min-max DP with backtracking.
 
     Devices are ordered by :meth:`Topology.bandwidth_order` (total bandwidth, highest first,
     ties by lower id).  Stages take consecutive layer ranges and runs of consecutive positions

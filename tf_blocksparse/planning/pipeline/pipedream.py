@@ -1,4 +1,4 @@
-"""PipeDream's hierarchical partitioning dynamic program, as a baseline (SPEC S3).
+"""PipeDream's hierarchical partitioning dynamic program, as a baseline.
 
 Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training", SOSP 2019,
 Sec. 3.1.  The cluster is a hierarchy of levels: level 1's components (e.g. servers) hold
@@ -6,8 +6,8 @@ Sec. 3.1.  The cluster is a hierarchy of levels: level 1's components (e.g. serv
 level-1 components linked at ``B_2``, and so on.  The planner solves level 1 inside one
 component, then at level ``k`` treats each level-``(k-1)`` component as one worker whose time
 for layers ``i..j`` is the level below's optimum ``A^{k-1}(i..j, m_{k-1})``.  Its result is
-placed on concrete devices and evaluated with the shared cost model of :mod:`.pipeline_cost`,
-like every planner here.  Pure Python + numpy.
+placed on concrete devices and evaluated with the shared cost model of
+:mod:`~tf_blocksparse.planning.pipeline.plan`, like every planner here.  Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .pipeline_cost import PipelinePlan, make_plan
-from .profile import ModelProfile
-from .topology import Topology
+from ..profile import ModelProfile
+from ..topology import Topology
+from .plan import PipelinePlan, make_plan
 
 __all__ = ["pipedream_levels", "plan_pipedream"]
 

@@ -1,4 +1,4 @@
-"""Online half of balanced tensor fusion (SPEC S1): per-cycle group scheduling and a simulator.
+"""Online half of balanced tensor fusion: per-cycle group scheduling and a cycle simulator.
 
 Each execution cycle reports the gradients that became ready (the *response list*).  The
 scheduler merges them with the gradients still pending from earlier cycles, emits every plan
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .fusion import FusionGroup, FusionPlan, TensorSpec, execution_order
+from .plan import FusionGroup, FusionPlan, TensorSpec, execution_order
 
 __all__ = ["FusionScheduler", "simulate", "simulate_greedy_cycles"]
 

@@ -1,4 +1,4 @@
-"""Event-driven simulation of a pipeline plan's training schedule (SPEC S3, step 4).
+"""Event-driven simulation of a pipeline plan's training schedule.
 
 One mini-batch of ``M`` micro-batches is pushed through the plan's stages:
 
@@ -29,9 +29,9 @@ import heapq
 import math
 from collections import deque
 
-from .pipeline_cost import PipelinePlan, evaluate_stages, validate_plan
-from .profile import ModelProfile
-from .topology import Topology
+from ..profile import ModelProfile
+from ..topology import Topology
+from .plan import PipelinePlan, evaluate_stages, validate_plan
 
 __all__ = ["schedule_order", "simulate_pipeline"]
 

@@ -1,9 +1,10 @@
 """Pipeline-parallel training of a chain Keras model on the logical devices of one host.
 
-(SPEC S3, step 4.)  A plan splits the chain's layers into consecutive stages, each run
-data-parallel on its own devices.  :class:`PipelineTrainer` builds the whole training step as
-**one** ``tf.function`` with explicit ``tf.device`` scopes; TF's executor runs every op as soon
-as its inputs are ready, so different stages work on different micro-batches at once:
+A plan (e.g. from :func:`tf_blocksparse.planning.plan_pipeline`) splits the chain's layers into
+consecutive stages, each run data-parallel on its own devices.  :class:`PipelineTrainer` builds
+the whole training step as **one** ``tf.function`` with explicit ``tf.device`` scopes; TF's
+executor runs every op as soon as its inputs are ready, so different stages work on different
+micro-batches at once:
 
 1. The mini-batch [B, ...] is cut into ``micro_batches`` micro-batches of ``B / M`` rows; a stage
    with ``k`` replicas gives each replica a consecutive slice of every micro-batch (sizes differ
@@ -23,9 +24,9 @@ as its inputs are ready, so different stages work on different micro-batches at 
    same gradient, same optimizer state, so the replicas stay identical.
 
 Variables: every replica owns **copies** of its stage's variables (see
-:class:`~tf_blocksparse.distribute.pipeline_stages.StageReplica`); the original model's layer
-objects are reused but its variables are not trained: call :meth:`PipelineTrainer.copy_to_model`
-to write the trained values back.  Non-trainable state (e.g. BatchNorm moving statistics) is
+:class:`~tf_blocksparse.distribute.replica.Replica`); the original model's layer objects are
+reused but its variables are not trained: call :meth:`PipelineTrainer.copy_to_model` to write
+the trained values back.  Non-trainable state (e.g. BatchNorm moving statistics) is
 updated micro-batch after micro-batch on each replica and averaged over the stage's replicas at
 the end of :meth:`~PipelineTrainer.train_step`.  Note that BatchNorm in training mode normalises
 with *micro-batch* statistics, so its gradients differ from full-batch training.
@@ -33,66 +34,21 @@ with *micro-batch* statistics, so its gradients differ from full-batch training.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from tf_blocksparse.distribute.devices import default_devices
 from tf_blocksparse.distribute.fit import FitLoop
-from tf_blocksparse.distribute.pipeline_stages import (
-    StageReplica,
-    StageSpec,
-    default_devices,
-    normalize_stages,
-    reslice,
-    split_sizes,
-)
+from tf_blocksparse.distribute.losses import loss_part, per_example_loss
+from tf_blocksparse.distribute.pipeline_stages import StageSpec, normalize_stages
+from tf_blocksparse.distribute.replica import Replica, average_state, clone_optimizer
+from tf_blocksparse.distribute.slicing import reslice, split_sizes
 from tf_blocksparse.keras.profiler import chain_layers
 
 __all__ = ["PipelineTrainer"]
-
-LossFn = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
-
-
-def _per_example_loss(loss: Any) -> LossFn:
-    """An unreduced loss function ``(y_true, y_pred) -> [b, ...]`` from a Keras loss spec."""
-    if isinstance(loss, keras.losses.Loss):
-        return loss.call  # the unreduced values; the trainer does the reduction
-    if isinstance(loss, str):
-        fn = keras.losses.get(loss)
-        return fn.call if isinstance(fn, keras.losses.Loss) else fn
-    if callable(loss):
-        return loss
-    raise ValueError(f"loss must be a keras Loss, a loss name or a callable, got {loss!r}")
-
-
-def loss_part(loss_fn: LossFn, y: tf.Tensor, logits: tf.Tensor, batch: int) -> tf.Tensor:
-    """One slice's share of the full-batch mean loss: ``sum(per-example loss) / (B * elems)``.
-
-    Args:
-        loss_fn: Per-example loss, ``(y [b, ...], logits [b, ...]) -> [b] or [b, ...]``.
-        y: Targets of the slice [b, ...].
-        logits: Outputs of the slice [b, ...].
-        batch: The full mini-batch size B.
-    """
-    values = loss_fn(y, logits)
-    if values.shape.rank == 0:
-        raise ValueError("loss must return per-example values [b] or [b, ...], got a scalar")
-    per_example = math.prod(int(d) for d in values.shape[1:])
-    return tf.reduce_sum(values) / tf.cast(batch * per_example, values.dtype)
-
-
-def _make_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        return type(optimizer).from_config(optimizer.get_config())
-    if callable(optimizer):
-        made = optimizer()
-        if isinstance(made, keras.optimizers.Optimizer):
-            return made
-    raise ValueError("optimizer must be a keras Optimizer or a function returning one, got "
-                     f"{optimizer!r}")
 
 
 class PipelineTrainer(FitLoop):
@@ -101,8 +57,8 @@ class PipelineTrainer(FitLoop):
     Attributes:
         model: The model (its layer objects run the stages; its variables are not trained).
         stages: The validated :class:`StageSpec`\\ s.
-        replicas: ``replicas[s][r]``: the :class:`StageReplica` of stage ``s`` on its ``r``-th
-            device.
+        replicas: ``replicas[s][r]``: the :class:`~tf_blocksparse.distribute.replica.Replica`
+            of stage ``s`` on its ``r``-th device.
         optimizers: ``optimizers[s][r]``: the optimizer of replica ``r`` of stage ``s``.
         micro_batches: Micro-batches per mini-batch.
     """
@@ -141,15 +97,15 @@ class PipelineTrainer(FitLoop):
         self.stages: list[StageSpec] = normalize_stages(stages, len(self._layers), device_list,
                                                         allow_device_reuse)
         self.micro_batches = micro_batches
-        self._loss_fn = _per_example_loss(loss)
-        self.replicas = [[StageReplica(self._layers[st.first_layer:st.last_layer + 1], dev)
+        self._loss_fn = per_example_loss(loss)
+        self.replicas = [[Replica(self._layers[st.first_layer:st.last_layer + 1], dev)
                           for dev in st.devices] for st in self.stages]
         self.optimizers: list[list[keras.optimizers.Optimizer]] = []
         for reps in self.replicas:
             self.optimizers.append([])
             for rep in reps:
                 with tf.device(rep.device):
-                    opt = _make_optimizer(optimizer)
+                    opt = clone_optimizer(optimizer)
                     opt.build(rep.trainable)
                 self.optimizers[-1].append(opt)
         where = {id(v): (s, i) for s, reps in enumerate(self.replicas)
@@ -197,10 +153,7 @@ class PipelineTrainer(FitLoop):
     def copy_to_model(self) -> None:
         """Writes replica 0's variables of every stage into the original model's variables."""
         for reps in self.replicas:
-            rep = reps[0]
-            for ref, var in zip(rep.trainable_refs + rep.non_trainable_refs,
-                                rep.trainable + rep.non_trainable):
-                ref.assign(var.value)
+            reps[0].copy_to_refs()
 
     # --------------------------------------------------------------------- step builders
 
@@ -217,9 +170,6 @@ class PipelineTrainer(FitLoop):
             raise ValueError(f"micro_batches={self.micro_batches} leaves {size} rows per "
                              f"micro-batch, fewer than a stage's {widest} replicas")
         return batch
-
-    def _loss_part(self, y: tf.Tensor, logits: tf.Tensor, batch: int) -> tf.Tensor:
-        return loss_part(self._loss_fn, y, logits, batch)
 
     def _forward_backward(self, x: Any, y: Any) -> tuple[tf.Tensor, list, list]:
         """Builds forward, backward and the replica reduction of one mini-batch.
@@ -250,7 +200,7 @@ class PipelineTrainer(FitLoop):
                         out, states[s][r] = rep.forward(pieces[r], states[s][r])
                         if s == last:
                             o = start + sum(sizes[s][:r])
-                            out = self._loss_part(y[o:o + sizes[s][r]], out, batch)
+                            out = loss_part(self._loss_fn, y[o:o + sizes[s][r]], out, batch)
                             losses.append(out)
                     records[m, s, r] = (tape, pieces[r], out)
                     outs.append(out)
@@ -279,7 +229,7 @@ class PipelineTrainer(FitLoop):
         return loss, totals, states
 
     @staticmethod
-    def _reduce(reps: list[StageReplica], per_rep: list[list[list[tf.Tensor]]]) -> list:
+    def _reduce(reps: list[Replica], per_rep: list[list[list[tf.Tensor]]]) -> list:
         """Accumulates micro-batches per replica, then all-reduces over the replicas."""
         acc = []
         for rep, per_micro in zip(reps, per_rep):
@@ -303,13 +253,5 @@ class PipelineTrainer(FitLoop):
                     with tf.device(rep.device):
                         opt.apply_gradients(list(zip(grads, rep.trainable)))
         for reps, rep_states in zip(self.replicas, states):
-            for i in range(len(reps[0].non_trainable)):
-                values = [st[i] for st in rep_states]
-                with tf.device(reps[0].device):
-                    value = values[0]
-                    if len(values) > 1 and tf.as_dtype(values[0].dtype).is_floating:
-                        value = tf.add_n(values) / len(values)
-                for rep in reps:
-                    with tf.device(rep.device):
-                        rep.non_trainable[i].assign(value)
+            average_state(reps, rep_states)
         return loss

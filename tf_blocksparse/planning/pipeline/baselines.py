@@ -1,8 +1,9 @@
-"""Baselines for the pipeline planner (SPEC S3): PipeDream's partitioner and an oblivious split.
+"""Baselines for the pipeline planner: an oblivious split, and all planners side by side.
 
-PipeDream's hierarchical dynamic program lives in :mod:`.pipeline_pipedream` (re-exported
-here).  Each baseline decides with its own model, then its result is placed on concrete
-devices and **evaluated with the same cost model** (:mod:`.pipeline_cost`) as
+PipeDream's hierarchical dynamic program lives in
+:mod:`~tf_blocksparse.planning.pipeline.pipedream`.  Each baseline decides with its own model,
+then its result is placed on concrete devices and **evaluated with the same cost model**
+(:mod:`~tf_blocksparse.planning.pipeline.plan`) as
 :func:`plan_pipeline`, so :func:`compare_pipeline_plans` compares like with like.  Pure
 Python + numpy.
 """
@@ -14,13 +15,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .pipeline import plan_pipeline
-from .pipeline_cost import PipelinePlan, make_plan
-from .pipeline_pipedream import pipedream_levels, plan_pipedream
-from .profile import ModelProfile
-from .topology import Topology
+from ..profile import ModelProfile
+from ..topology import Topology
+from .partition import plan_pipeline
+from .pipedream import plan_pipedream
+from .plan import PipelinePlan, make_plan
 
-__all__ = ["compare_pipeline_plans", "pipedream_levels", "plan_oblivious", "plan_pipedream"]
+__all__ = ["compare_pipeline_plans", "plan_oblivious"]
 
 
 def plan_oblivious(profile: ModelProfile, topology: Topology,

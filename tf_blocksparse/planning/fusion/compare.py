@@ -1,8 +1,8 @@
-"""Every fusion method on the same gradients, summarised side by side (SPEC S1).
+"""Every fusion method on the same gradients, summarised side by side.
 
-Pure Python, no TensorFlow: the balanced planner of :mod:`~tf_blocksparse.planning.balanced`
-against TF's ``group_by_size``, PyTorch DDP's buckets and Horovod's greedy fusion
-(:mod:`~tf_blocksparse.planning.fusion`).
+Pure Python, no TensorFlow: the balanced planner of
+:mod:`~tf_blocksparse.planning.fusion.balanced` against TF's ``group_by_size``, PyTorch DDP's
+buckets and Horovod's greedy fusion (:mod:`~tf_blocksparse.planning.fusion.baselines`).
 """
 
 from __future__ import annotations
@@ -10,13 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .balanced import plan_balanced
-from .fusion import (
-    FusionPlan,
-    TensorSpec,
-    plan_ddp,
-    plan_horovod_greedy,
-    plan_tf_group_by_size,
-)
+from .baselines import plan_ddp, plan_horovod_greedy, plan_tf_group_by_size
+from .plan import FusionPlan, TensorSpec
 
 __all__ = ["compare_plans", "plan_summary"]
 

@@ -1,4 +1,4 @@
-"""Pipeline plans and their cost model (SPEC S3, step 3).
+"""Pipeline plans and their cost model.
 
 A plan splits the layers ``0..L-1`` of a chain model into consecutive stages; stage ``s`` holds
 layers ``i..j`` and runs data parallel on its devices ``D_s = (d_0, ..., d_{r-1})`` (ring
@@ -11,8 +11,10 @@ order).  Its time per micro-batch is
   (a ring all-reduce limited by its slowest edge; else 0),
 
 and the plan's *bottleneck* is ``max_s T_s``.  Each device serves at most one stage; not every
-device must be used.  The planners live in :mod:`.pipeline` (the seed's dynamic program,
-exhaustive and brute-force searches) and :mod:`.pipeline_baselines`.
+device must be used.  The planners live in :mod:`~tf_blocksparse.planning.pipeline.partition`
+(the bandwidth-aware dynamic program, exhaustive and brute-force searches),
+:mod:`~tf_blocksparse.planning.pipeline.pipedream` and
+:mod:`~tf_blocksparse.planning.pipeline.baselines`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .profile import ModelProfile
-from .topology import Topology
+from ..profile import ModelProfile
+from ..topology import Topology
 
 __all__ = [
     "PipelinePlan", "Stage", "evaluate_stages", "make_plan", "plan_cost", "stage_time",
@@ -143,8 +145,8 @@ class PipelinePlan:
         stages: The stages, covering layers ``0..L-1`` in order.
         bottleneck_s: ``max(stage.time_s)`` (computed when not given).
         method: Which planner made it.
-        device_order: The device ordering the planner searched over (bandwidth order for the
-            seed's planner, ids for the baselines); informational.
+        device_order: The device ordering the planner searched over (bandwidth order for
+            :func:`plan_pipeline`, ids for the baselines); informational.
     """
 
     stages: tuple[Stage, ...]

@@ -1,4 +1,4 @@
-"""Fusion plans (SPEC S1) and the bucketing baselines the balanced planner is compared with.
+"""Fusion plans: the tensors, their groups in execution order, and the plan's invariants.
 
 Pure Python over frozen dataclasses: no TensorFlow import, so plans can be built, checked and
 stored (JSON) before a strategy exists.  Tensors are referred to by their index in ``tensors``.
@@ -6,9 +6,9 @@ stored (JSON) before a strategy exists.  Tensors are referred to by their index 
 A plan lists fusion groups, each a contiguous run of the *execution order* (the order in which
 gradients become ready, i.e. backward order).  A buffer never mixes dtypes; a tensor larger than
 the buffer is reduced in its own group; one that fills the buffer (*oversized*) may, in the
-balanced planner
-(:mod:`~tf_blocksparse.planning.balanced`), carry up to one buffer of the tensors ready just
-before it.
+balanced planner (:mod:`~tf_blocksparse.planning.fusion.balanced`), carry up to one buffer of
+the tensors ready just before it.  The bucketing baselines the balanced planner is compared
+with live in :mod:`~tf_blocksparse.planning.fusion.baselines`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = [
-    "FusionGroup", "FusionPlan", "TensorSpec", "execution_order", "plan_ddp",
-    "plan_horovod_greedy", "plan_tf_group_by_size",
-]
+__all__ = ["FusionGroup", "FusionPlan", "TensorSpec", "execution_order", "plan_from_runs",
+           "resolve_order"]
 
 
 @dataclass(frozen=True)
@@ -191,7 +189,9 @@ def execution_order(num_tensors: int,
     return fwd[::-1]
 
 
-def _resolve_order(tensors: Sequence[TensorSpec], order: Sequence[int] | None) -> tuple[int, ...]:
+def resolve_order(tensors: Sequence[TensorSpec], order: Sequence[int] | None) -> tuple[int, ...]:
+    """``order`` checked as a permutation of the tensor indices; ``None``: the default
+    execution order (:func:`execution_order`)."""
     if order is None:
         return execution_order(len(tensors))
     order = tuple(order)
@@ -200,78 +200,10 @@ def _resolve_order(tensors: Sequence[TensorSpec], order: Sequence[int] | None) -
     return order
 
 
-def _make_plan(method: str, buffer_bytes: int, tensors: Sequence[TensorSpec],
-               runs: Sequence[Sequence[int]]) -> FusionPlan:
+def plan_from_runs(method: str, buffer_bytes: int, tensors: Sequence[TensorSpec],
+                   runs: Sequence[Sequence[int]]) -> FusionPlan:
+    """The plan whose groups are ``runs`` (empty runs dropped) and whose order is theirs."""
     tensors = tuple(tensors)
     groups = tuple(FusionGroup(tuple(r), sum(tensors[i].nbytes for i in r)) for r in runs if r)
     order = tuple(i for g in groups for i in g.members)
     return FusionPlan(method, int(buffer_bytes), order, groups, tensors)
-
-
-def plan_tf_group_by_size(tensors: Sequence[TensorSpec], bytes_per_pack: int,
-                          order: Sequence[int] | None = None) -> FusionPlan:
-    """TensorFlow's packing (``CollectiveAllReduce`` with ``bytes_per_pack``).
-
-    TF reverses the gradient list (to follow backward order) and walks it, starting a new pack
-    once the current pack holds more than ``bytes_per_pack``: packs are at least that large,
-    so they may overshoot it.  ``bytes_per_pack == 0`` means one pack.  A dtype change also
-    closes a pack here (TF concatenates a pack into one tensor).
-    """
-    order = _resolve_order(tensors, order)
-    runs: list[list[int]] = []
-    acc = 0
-    for i in order:
-        t = tensors[i]
-        if not runs or (bytes_per_pack > 0 and acc > bytes_per_pack) or \
-                tensors[runs[-1][0]].dtype != t.dtype:
-            runs.append([])
-            acc = 0
-        runs[-1].append(i)
-        acc += t.nbytes
-    return _make_plan("tf_group_by_size", bytes_per_pack, tensors, runs)
-
-
-def plan_ddp(tensors: Sequence[TensorSpec], bucket_bytes: int = 25 * 2**20,
-             first_bucket_bytes: int = 2**20, order: Sequence[int] | None = None
-             ) -> FusionPlan:
-    """PyTorch DDP's buckets (after its first-iteration rebuild).
-
-    Parameters in ready ``order`` (default: reverse of the list); one open bucket per dtype;
-    a tensor is added and the bucket is closed once it reaches its cap (``first_bucket_bytes``
-    for a dtype's first bucket, then ``bucket_bytes``), so a bucket may overshoot its cap by
-    its last tensor.  Buckets are listed in the order they close, open leftovers last; the
-    plan's ``order`` is their concatenation.
-    """
-    open_: dict[str, list[int]] = {}
-    size: dict[str, int] = {}
-    caps: dict[str, int] = {}
-    runs: list[list[int]] = []
-    for i in _resolve_order(tensors, order):
-        dt = tensors[i].dtype
-        open_.setdefault(dt, []).append(i)
-        size[dt] = size.get(dt, 0) + tensors[i].nbytes
-        if size[dt] >= caps.setdefault(dt, first_bucket_bytes):
-            runs.append(open_.pop(dt))
-            size[dt], caps[dt] = 0, bucket_bytes
-    runs.extend(open_.values())
-    return _make_plan("ddp", bucket_bytes, tensors, runs)
-
-
-def plan_horovod_greedy(tensors: Sequence[TensorSpec], fusion_bytes: int = 128 * 2**20,
-                        order: Sequence[int] | None = None) -> FusionPlan:
-    """Horovod-style greedy fusion with everything ready at once.
-
-    Walks the ready order and adds each tensor to the current buffer while the sum stays
-    within ``fusion_bytes`` (same dtype only); otherwise starts a new buffer.
-    """
-    order = _resolve_order(tensors, order)
-    runs: list[list[int]] = []
-    acc = 0
-    for i in order:
-        t = tensors[i]
-        if not runs or acc + t.nbytes > fusion_bytes or tensors[runs[-1][0]].dtype != t.dtype:
-            runs.append([])
-            acc = 0
-        runs[-1].append(i)
-        acc += t.nbytes
-    return _make_plan("horovod_greedy", fusion_bytes, tensors, runs)

@@ -1,4 +1,4 @@
-"""The balanced fusion planner of SPEC S1 (offline half).
+"""The balanced fusion planner (offline half of balanced tensor fusion).
 
 Gradients, in execution order, are cut into contiguous single-dtype groups.  A tensor that
 fills the fusion buffer alone (``nbytes >= buffer_bytes``) is *oversized*: it is reduced in a
@@ -29,13 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .fusion import (
-    FusionPlan,
-    TensorSpec,
-    _make_plan,
-    _resolve_order,
-    execution_order,
-)
+from .plan import FusionPlan, TensorSpec, execution_order, plan_from_runs, resolve_order
 
 __all__ = ["MAX_LOWER_BOUNDS", "min_imbalance", "plan_backward", "plan_balanced"]
 
@@ -228,7 +222,7 @@ def _fewest_groups_runs(problem: _Problem) -> list[tuple[int, int]]:
 def plan_balanced(tensors: Sequence[TensorSpec], buffer_bytes: int,
                   order: Sequence[int] | None = None,
                   balance: float | None = 1.25) -> FusionPlan:
-    """Balanced groups (SPEC S1); see the module docstring for the objective.
+    """Balanced groups; see the module docstring for the objective.
 
     Args:
         tensors: Gradient specs, indexed as in the model's variable list.
@@ -244,7 +238,7 @@ def plan_balanced(tensors: Sequence[TensorSpec], buffer_bytes: int,
         raise ValueError(f"buffer_bytes must be an int > 0, got {buffer_bytes!r}")
     if balance is not None and not balance >= 1.0:
         raise ValueError(f"balance must be >= 1 or None, got {balance!r}")
-    order = _resolve_order(tensors, order)
+    order = resolve_order(tensors, order)
     sizes = [tensors[i].nbytes for i in order]
     dtypes = [tensors[i].dtype for i in order]
     fewest = _fewest_groups_runs(_Problem(sizes, dtypes, int(buffer_bytes), False))
@@ -262,7 +256,7 @@ def plan_balanced(tensors: Sequence[TensorSpec], buffer_bytes: int,
                 ratio = _normal_imbalance(sums, over)
                 return (max(ratio, balance), len(rs), max(normal, default=0))
             runs = min([*candidates, fewest], key=key)
-    return _make_plan("balanced", buffer_bytes, tensors,
+    return plan_from_runs("balanced", buffer_bytes, tensors,
                       [list(order[a:b]) for a, b in runs])
 
 
@@ -279,7 +273,7 @@ def min_imbalance(tensors: Sequence[TensorSpec], buffer_bytes: int,
     """
     if int(buffer_bytes) != buffer_bytes or buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes must be an int > 0, got {buffer_bytes!r}")
-    order = _resolve_order(tensors, order)
+    order = resolve_order(tensors, order)
     problem = _Problem([tensors[i].nbytes for i in order], [tensors[i].dtype for i in order],
                        int(buffer_bytes))
     lo = problem.lower_bound_candidates(limit=None)
