@@ -1,8 +1,10 @@
 """tf_blocksparse: block-wise top-k gradient exchange with error feedback for tf.distribute.
 
 Core (no adapters imported by it): :mod:`~tf_blocksparse.blocks` (block-rule table),
+:mod:`~tf_blocksparse.options` (the one options object),
 :mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.feedback`,
-:mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.exchange`,
+:mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.collectives`,
+:mod:`~tf_blocksparse.exchange` (the one exchange),
 :mod:`~tf_blocksparse.clipping`, and the TF-free planners in
 :mod:`tf_blocksparse.planning` (those modules import no TensorFlow themselves).  Adapters:
 :mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.  The adapters are imported
@@ -22,15 +24,18 @@ from tf_blocksparse.keras.backup import BackupAndRestore, save_model
 from tf_blocksparse.keras.callbacks import BlockSparseMetrics
 from tf_blocksparse.keras.evaluation import EvalResult, ExactValidation, evaluate_exactly
 from tf_blocksparse.keras.hybrid_split import find_boundary, split_model
+from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 from tf_blocksparse.keras.profiler import profile_model
 from tf_blocksparse.keras.warmup import DensityWarmup
+from tf_blocksparse.options import CompressionOptions
 
 __all__ = [
     "BackupAndRestore", "BlockLayout", "BlockRule", "BlockSparseCrossDeviceOps",
-    "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "DensityWarmup", "ElementTopK",
-    "EvalResult", "ExactValidation", "FusedCrossDeviceOps", "HybridTrainer",
-    "MultiWorkerMirroredStrategy", "Payload", "PipelineTrainer",
+    "BlockSparseMetrics", "BlockSparseOptimizer", "BlockTopK", "CompressionOptions",
+    "DensityWarmup", "ElementTopK", "EvalResult", "ExactValidation", "FusedCrossDeviceOps",
+    "HybridTrainer", "MomentumCorrection", "MultiWorkerMirroredStrategy", "Payload",
+    "PipelineTrainer",
     "block_table", "clipping", "evaluate_exactly", "find_boundary", "format_block_table",
     "planning", "profile_model", "save_model", "split_model",
 ]

@@ -1,5 +1,5 @@
 """Pieces of ``BlockSparseOptimizer``'s step that need no optimizer state of their own:
-momentum masking, the finite-step guard, the statistics row and the inner optimizer's apply.
+the fusion plan, the finite-step guard, the statistics row and the inner optimizer's apply.
 """
 
 from __future__ import annotations
@@ -10,38 +10,23 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import selection
-from tf_blocksparse.blocks import BlockLayout
+from tf_blocksparse import codec
 from tf_blocksparse.exchange import ExchangeResult
+from tf_blocksparse.planning.balanced import plan_backward
+from tf_blocksparse.planning.fusion import FusionPlan
 
-MASKINGS = ("all", "waited", "none")
 
-
-def mask_sent(us: Sequence[tf.Tensor], layouts: Sequence[BlockLayout],
-              sent_ids: Sequence[tf.Tensor] | None,
-              residuals: Sequence[tf.Tensor] | None = None) -> list[tf.Tensor]:
-    """DGC factor masking of the local momenta.
-
-    Args:
-      us: Per variable the replica's momentum ``u`` [*shape].
-      layouts: Their block layouts.
-      sent_ids: Per variable the block ids [k_v] this replica sent (``None``: dense, all
-        sent; the momenta then carry on whole, which is momentum SGD).
-      residuals: Optional per-variable residuals [*shape] from *before* this step: only
-        sent blocks whose residual block was non-zero (they had waited) are zeroed.
-
-    Returns:
-      Per variable ``u`` with the masked blocks zeroed (the others bit-exact).
-    """
-    if sent_ids is None:
-        return list(us)
-    if residuals is None:
-        return [selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
-                for u, lay, ids in zip(us, layouts, sent_ids)]
-    return [selection.zero_blocks_where(
-                u, lay, selection.blocks_hit(ids, lay) &
-                (selection.block_scores(r, lay, "l1") > 0))
-            for u, lay, ids, r in zip(us, layouts, sent_ids, residuals)]
+def fusion_plan(tensors: Sequence[Any], idx: Sequence[int], ranks: Sequence[int] | None,
+                buffer_bytes: int) -> FusionPlan:
+    """Balanced plan of ``tensors`` (tensors or specs of the variables ``idx``) in the
+    backward order ``ranks`` (per variable index) when known, else the reverse of their
+    order."""
+    order = None
+    if ranks is not None:
+        order = sorted(range(len(tensors)), key=lambda p: ranks[idx[p]])
+    return plan_backward([codec.buffer_nbytes(t) for t in tensors],
+                         [tf.as_dtype(t.dtype).name for t in tensors], buffer_bytes,
+                         order=order)
 
 
 def when_finite(nonfinite: str, finite: tf.Tensor, fn: Any) -> None:
