@@ -98,10 +98,10 @@ def test_auto_policy_resolves_against_the_inner_sgd():
 def test_options_object_equals_keywords():
     o = tfbs.CompressionOptions(k=2, metric="l2", exchange="shared", dense_below=0,
                                 block_rules={"dense": "single"})
-    a = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), o)
-    b = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=2, metric="l2",
+    a = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, name="s"), o, name="w")
+    b = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, name="s"), k=2, metric="l2",
                                   exchange="shared", dense_below=0,
-                                  block_rules={"dense": "single"})
+                                  block_rules={"dense": "single"}, name="w")
     assert a.compression == b.compression == o
     assert a.get_config() == b.get_config()
     assert (a.k, a.density, a.metric, a.exchange, a.dense_below, a.block_rules) == (

@@ -3,8 +3,9 @@
 :func:`run` does one step for the local replicas of a :mod:`~tf_blocksparse.collectives`
 object: the Keras optimizer wrapper calls it in replica context (:func:`run_exchange`), the
 ``BlockSparseCrossDeviceOps`` and the hybrid trainer's group sync over a device list
-(:func:`run_on_devices`).  Three modes, each a fixed, small number of collectives per step
-whatever the number of variables (all variables are packed into one buffer per kind):
+(:func:`tf_blocksparse.distribute.device_exchange.run_on_devices`).  Three modes, each a
+fixed, small number of collectives per step whatever the number of variables (all variables
+are packed into one buffer per kind):
 
 ``"allgather"``
     Every replica picks its own top-k blocks.  One gather of an int32 buffer (all block ids,
@@ -31,18 +32,18 @@ show non-finite values as such).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from tf_blocksparse import codec, selection
-from tf_blocksparse.collectives import DeviceCollectives, ReplicaCollectives
+from tf_blocksparse.collectives import ReplicaCollectives
 from tf_blocksparse.feedback import BlockTopK, Prepared, take_blocks
 from tf_blocksparse.options import EXCHANGES, check_choice
 
 __all__ = ["EXCHANGES", "ExchangeResult", "dense_nbytes", "run", "run_exchange",
-           "run_grouped_exchange", "run_on_devices", "selection_nbytes"]
+           "selection_nbytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,91 +304,3 @@ def run_exchange(mode: str, ctx: tf.distribute.ReplicaContext, comp: BlockTopK |
     a strategy): ``grads`` and ``state`` are per variable [*shape]."""
     return run(ReplicaCollectives(ctx), mode, comp, [grads],
                None if state is None else [state])[0]
-
-
-def run_on_devices(devices: Sequence[str], mode: str, comp: BlockTopK,
-                   grads: Sequence[Sequence[tf.Tensor]],
-                   residuals: Sequence[Sequence[tf.Variable]]) -> list[tf.Tensor]:
-    """:func:`run` over a device list, committing the residuals; for the adapters that see
-    every replica at once.
-
-    When any replica's accumulated gradient holds an inf or NaN, the residuals stay as they
-    were and the dense sum of ``grads`` is returned instead (non-finite, so a loss-scaling
-    optimizer downstream skips the step).
-
-    Args:
-      devices: One device per replica; the sums are formed on ``devices[0]``.
-      mode: ``"allgather"`` or ``"shared"``.
-      comp: The compressor over the variables.
-      grads: ``grads[r][v]``: replica ``r``'s gradient [*shape_v].
-      residuals: ``residuals[r][v]``: replica ``r``'s residual variable [*shape_v].
-
-    Returns:
-      Per variable the summed update [*shape_v] on ``devices[0]``.
-    """
-    comm = DeviceCollectives(devices)
-    state = []
-    for r, per_var in enumerate(residuals):
-        with comm.local(r):
-            state.append([v.read_value() for v in per_var])
-    results = run(comm, mode, comp, grads, state)
-    finite = results[0].finite
-    for r, (per_var, res) in enumerate(zip(residuals, results)):
-        with comm.local(r):
-            for var, new in zip(per_var, res.residuals):
-                var.assign(tf.where(finite, new, var.read_value()))
-    out = []
-    with comm.combine():
-        for v, update in enumerate(results[0].updates):
-            column = [g[v] for g in grads]
-            out.append(tf.cond(finite, lambda u=update: u,
-                               lambda c=column: tf.add_n([tf.identity(t) for t in c])))
-    return out
-
-
-def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
-                         make_comp: Callable[[Sequence[int]], BlockTopK | None],
-                         grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor] | None,
-                         groups: Sequence[Sequence[int]], metric: str = "l1"
-                         ) -> ExchangeResult:
-    """One exchange per fusion group (its own packed buffers and collectives), combined.
-
-    Groups come in execution (backward) order, so a group's collectives depend only on its
-    own members' gradients and can start while earlier layers' backward still runs.
-
-    Args:
-      mode: One of :data:`EXCHANGES`.
-      ctx: The replica context.
-      make_comp: Builds the compressor for a group from its positions in ``grads``.
-      grads: Per variable local gradients [*shape].
-      state: Per variable residuals, or ``None`` for ``"dense"``.
-      groups: Positions in ``grads``; every position exactly once.
-      metric: ``"l1"`` or ``"l2"`` (to combine the residual norms).
-    """
-    n = len(grads)
-    updates: list[tf.Tensor | None] = [None] * n
-    residuals: list[tf.Tensor | None] = [None] * n
-    sent: list[tf.Tensor | None] = [None] * n
-    parts = []
-    for group in groups:
-        sub_state = None if state is None else [state[i] for i in group]
-        r = run_exchange(mode, ctx, make_comp(group), [grads[i] for i in group], sub_state)
-        parts.append(r)
-        for j, i in enumerate(group):
-            updates[i] = r.updates[j]
-            if r.residuals is not None:
-                residuals[i] = r.residuals[j]
-            if r.sent_ids is not None:
-                sent[i] = r.sent_ids[j]
-    if len(parts) == 1:
-        return parts[0]
-    if any(u is None for u in updates):
-        raise ValueError("`groups` must cover every gradient exactly once")
-    norms = [p.residual_norm for p in parts]
-    norm = tf.add_n(norms) if metric == "l1" else tf.sqrt(tf.add_n([x * x for x in norms]))
-    return ExchangeResult(
-        tuple(updates), None if state is None else tuple(residuals),
-        tf.reduce_all(tf.stack([p.finite for p in parts])),
-        sum(p.payload_bytes for p in parts), sum(p.dense_bytes for p in parts),
-        sum(p.blocks_kept for p in parts), norm,
-        None if state is None else tuple(sent))

@@ -4,7 +4,7 @@
 with a *plain* Keras optimizer: the optimizer's gradient all-reduce (a SUM ``batch_reduce`` of
 per-replica float tensors) becomes, per device, error feedback + block top-k selection and the
 sum of every device's selected blocks: the same exchange as ``BlockSparseOptimizer``
-(:func:`tf_blocksparse.exchange.run_on_devices`), configured by the same
+(:func:`tf_blocksparse.distribute.device_exchange.run_on_devices`), configured by the same
 :class:`~tf_blocksparse.options.CompressionOptions`.  Residuals are owned by this object: one
 variable per device and gradient, created on first use.  Everything else -- single ``reduce`` calls
 (metrics, ``strategy.reduce``), MEAN reductions, integer values, ``all_gather`` -- is a dense
@@ -35,7 +35,8 @@ import tensorflow as tf
 
 from tf_blocksparse import blocks, codec
 from tf_blocksparse.distribute.batches import is_gradient_batch
-from tf_blocksparse.exchange import run_on_devices, selection_nbytes
+from tf_blocksparse.distribute.device_exchange import run_on_devices
+from tf_blocksparse.exchange import selection_nbytes
 from tf_blocksparse.feedback import compressor_for
 from tf_blocksparse.options import SPARSE_EXCHANGES, CompressionOptions, options_from
 

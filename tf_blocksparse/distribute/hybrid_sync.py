@@ -9,7 +9,7 @@ to the replica's own copies, each copy created on the device the placement gives
 variable ``v`` depends only on the replicas' gradients of ``v``, so it can start as soon as
 those are ready (during the rest of the backward pass).  Dense: one sum on the group's first
 compute device.  Block-sparse: the project's one exchange over the replicas' devices
-(:func:`~tf_blocksparse.exchange.run_on_devices`, as in
+(:func:`~tf_blocksparse.distribute.device_exchange.run_on_devices`, as in
 :class:`~tf_blocksparse.distribute.cross_device_ops.BlockSparseCrossDeviceOps`), per variable:
 error feedback ``acc = grad + residual``, the top-k blocks of ``acc`` by L1/L2 score (a Dense
 kernel's block is one output unit's incoming weights, a conv kernel's one filter), ``residual =
@@ -30,8 +30,9 @@ import tensorflow as tf
 
 from tf_blocksparse import blocks
 from tf_blocksparse.collectives import DeviceCollectives
+from tf_blocksparse.distribute.device_exchange import run_on_devices
 from tf_blocksparse.distribute.pipeline_stages import device_key, split_sizes
-from tf_blocksparse.exchange import run_on_devices, selection_nbytes
+from tf_blocksparse.exchange import selection_nbytes
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.options import CompressionOptions
 
@@ -281,7 +282,8 @@ class GroupSync:
         """Sums ``grads[r][v]`` over replicas ``r`` for every variable ``v``.
 
         Dense: one sum per variable on the group's first compute device.  Block-sparse: the
-        project's exchange (:func:`~tf_blocksparse.exchange.run_on_devices`) per variable.
+        project's exchange per variable
+        (:func:`~tf_blocksparse.distribute.device_exchange.run_on_devices`).
 
         Returns:
             ``(totals, per_replica)``: ``totals[v]`` the sum [*shape_v] on the group's first

@@ -37,7 +37,6 @@ import tensorflow as tf
 
 from tf_blocksparse import blocks
 from tf_blocksparse import clipping as clipping_lib
-from tf_blocksparse import exchange as exchange_lib
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.forward_order import backward_ranks
@@ -251,7 +250,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         if self.exchange != "dense":
             residuals = [self._residuals[i] for i in idx]
             state = [tf.convert_to_tensor(r.value) for r in residuals]
-        result = exchange_lib.run_grouped_exchange(
+        result = step.run_grouped_exchange(
             self.exchange, ctx, lambda group: self._compressor([idx[i] for i in group]),
             grads, state, groups, self.metric)
         if state is not None:

@@ -1,17 +1,19 @@
 """Pieces of ``BlockSparseOptimizer``'s step that need no optimizer state of their own:
-the fusion plan, the finite-step guard, the statistics row and the inner optimizer's apply.
+the fusion plan and the exchange per fusion group, the finite-step guard, the statistics row
+and the inner optimizer's apply.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tf_blocksparse import codec
-from tf_blocksparse.exchange import ExchangeResult
+from tf_blocksparse.exchange import ExchangeResult, run_exchange
+from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.planning.balanced import plan_backward
 from tf_blocksparse.planning.fusion import FusionPlan
 
@@ -72,3 +74,51 @@ def apply_inner(inner: keras.optimizers.Optimizer, nonfinite: str,
 
     tf.distribute.get_replica_context().merge_call(
         cross_replica, args=(list(updates), finite))
+
+
+def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
+                         make_comp: Callable[[Sequence[int]], BlockTopK | None],
+                         grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor] | None,
+                         groups: Sequence[Sequence[int]], metric: str = "l1"
+                         ) -> ExchangeResult:
+    """One exchange per fusion group (its own packed buffers and collectives), combined.
+
+    Groups come in execution (backward) order, so a group's collectives depend only on its
+    own members' gradients and can start while earlier layers' backward still runs.
+
+    Args:
+      mode: One of :data:`EXCHANGES`.
+      ctx: The replica context.
+      make_comp: Builds the compressor for a group from its positions in ``grads``.
+      grads: Per variable local gradients [*shape].
+      state: Per variable residuals, or ``None`` for ``"dense"``.
+      groups: Positions in ``grads``; every position exactly once.
+      metric: ``"l1"`` or ``"l2"`` (to combine the residual norms).
+    """
+    n = len(grads)
+    updates: list[tf.Tensor | None] = [None] * n
+    residuals: list[tf.Tensor | None] = [None] * n
+    sent: list[tf.Tensor | None] = [None] * n
+    parts = []
+    for group in groups:
+        sub_state = None if state is None else [state[i] for i in group]
+        r = run_exchange(mode, ctx, make_comp(group), [grads[i] for i in group], sub_state)
+        parts.append(r)
+        for j, i in enumerate(group):
+            updates[i] = r.updates[j]
+            if r.residuals is not None:
+                residuals[i] = r.residuals[j]
+            if r.sent_ids is not None:
+                sent[i] = r.sent_ids[j]
+    if len(parts) == 1:
+        return parts[0]
+    if any(u is None for u in updates):
+        raise ValueError("`groups` must cover every gradient exactly once")
+    norms = [p.residual_norm for p in parts]
+    norm = tf.add_n(norms) if metric == "l1" else tf.sqrt(tf.add_n([x * x for x in norms]))
+    return ExchangeResult(
+        tuple(updates), None if state is None else tuple(residuals),
+        tf.reduce_all(tf.stack([p.finite for p in parts])),
+        sum(p.payload_bytes for p in parts), sum(p.dense_bytes for p in parts),
+        sum(p.blocks_kept for p in parts), norm,
+        None if state is None else tuple(sent))
