@@ -158,7 +158,9 @@ def test_gradient_accumulation_in_the_inner_optimizer_is_an_error(mirrored2):
 
 def test_cross_device_ops_take_the_options_object():
     o = tfbs.CompressionOptions(density=0.5, exchange="shared", dense_below=0)
-    assert tfbs.BlockSparseCrossDeviceOps(o).options == o
+    ops = tfbs.BlockSparseCrossDeviceOps(o)
+    assert ops.options == o and (ops.k, ops.density, ops.exchange, ops.dense_below) == (
+        None, 0.5, "shared", 0)
     assert tfbs.BlockSparseCrossDeviceOps(density=0.5, exchange="shared",
                                           dense_below=0).options == o
     with pytest.raises(ValueError, match="`exchange`"):

@@ -213,6 +213,13 @@ def as_options(options: Any, argument: str = "compression") -> CompressionOption
     raise TypeError(f"`{argument}` must be a tfbs.CompressionOptions, got {options!r}")
 
 
+def option_view(name: str, attribute: str = "compression") -> property:
+    """A read-only property exposing option ``name`` of the owner's ``attribute`` (a
+    :class:`CompressionOptions`) under the name of its keyword argument."""
+    return property(lambda self: getattr(getattr(self, attribute), name),
+                    doc=f"``{attribute}.{name}`` (see ``CompressionOptions``).")
+
+
 def options_from(compression: Any, keywords: Mapping[str, Any], owner: str
                  ) -> CompressionOptions:
     """The options of a constructor that takes ``compression`` or its arguments as keywords.

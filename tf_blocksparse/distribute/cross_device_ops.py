@@ -38,7 +38,12 @@ from tf_blocksparse.distribute.batches import is_gradient_batch
 from tf_blocksparse.distribute.device_exchange import run_on_devices
 from tf_blocksparse.exchange import selection_nbytes
 from tf_blocksparse.feedback import compressor_for
-from tf_blocksparse.options import SPARSE_EXCHANGES, CompressionOptions, options_from
+from tf_blocksparse.options import (
+    SPARSE_EXCHANGES,
+    CompressionOptions,
+    option_view,
+    options_from,
+)
 
 
 class _ResidualState(tf.Module):
@@ -61,10 +66,22 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         ``density``, ``metric``, ``exchange``, ``granularity``, ``dense_below``,
         ``block_rules``).
 
+    Attributes:
+      options: The :class:`~tf_blocksparse.options.CompressionOptions`; its fields are
+        also readable as attributes (``k``, ``density``, ...).
+
     Raises:
       ValueError: A bad option (named), ``exchange="dense"``, or both ``compression`` and
         option keywords.
     """
+
+    k = option_view("k", "options")
+    density = option_view("density", "options")
+    metric = option_view("metric", "options")
+    exchange = option_view("exchange", "options")
+    granularity = option_view("granularity", "options")
+    dense_below = option_view("dense_below", "options")
+    block_rules = property(lambda self: self.options.rules, doc="``options.rules``.")
 
     def __init__(self, compression: CompressionOptions | None = None, *, model: Any = None,
                  **options: Any):

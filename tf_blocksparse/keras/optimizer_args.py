@@ -16,6 +16,7 @@ from tf_blocksparse.options import (
     OPTION_NAMES,
     CompressionOptions,
     check_choice,
+    option_view,
     options_from,
 )
 
@@ -140,21 +141,16 @@ def densify(g: Any, v: Any) -> tf.Tensor:
     return tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
 
 
-def _option(name: str) -> property:
-    return property(lambda self: getattr(self.compression, name),
-                    doc=f"``compression.{name}`` (see ``CompressionOptions``).")
-
-
 class OptionsView:
     """Flat read access to ``BlockSparseOptimizer``'s parts (``compression``,
     ``momentum_policy``) under the names of its keyword arguments."""
 
     compression: CompressionOptions
     momentum_policy: MomentumCorrection | None
-    metric = _option("metric")
-    exchange = _option("exchange")
-    granularity = _option("granularity")
-    dense_below = _option("dense_below")
+    metric = option_view("metric")
+    exchange = option_view("exchange")
+    granularity = option_view("granularity")
+    dense_below = option_view("dense_below")
 
     @property
     def k(self) -> int | None:
