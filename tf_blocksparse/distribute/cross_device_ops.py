@@ -95,6 +95,7 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         self.state = _ResidualState()
         self.payload_bytes = 0  # per device per step, set when a gradient batch is traced
         self.dense_bytes = 0
+
     def bind_model(self, model: Any) -> None:
         """Names the Keras model whose gradients this reduces (the strategy, and so these
         ops, exist before the model; call this once the model is built, before training)."""
