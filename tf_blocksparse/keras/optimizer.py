@@ -12,11 +12,8 @@ The wrapper is composed of parts, each with its own config: *what* is exchanged 
 :class:`~tf_blocksparse.options.CompressionOptions`, *where the momentum lives* a
 :class:`~tf_blocksparse.keras.momentum.MomentumCorrection` policy, and the optional clipping
 rules of :mod:`tf_blocksparse.clipping`.  The inner optimizer's own all-reduce is switched off
-(the wrapper's exchange replaces it).  With ``SGD(momentum=m)`` inside and a sparse exchange,
-the momentum is by default moved *before* the exchange (``momentum_correction="auto"``: DGC's
-local momentum with factor masking); ``momentum_correction=None`` keeps it in the inner SGD,
-applied to the exchanged update (*global momentum*).  Keras options of the inner optimizer
-(``clipnorm``, ``weight_decay``, EMA) act on the exchanged update, not per replica.
+(the wrapper's exchange replaces it); its Keras options (``clipnorm``, ``weight_decay``, EMA)
+act on the exchanged update, not per replica.
 
 Non-finite gradients (``nonfinite="skip"``, the default): if any replica's accumulated
 gradient holds an inf or NaN, every replica skips the step: weights, inner optimizer state,
