@@ -54,13 +54,39 @@ def test_config_round_trip_keeps_the_resolved_default():
     assert again.inner_optimizer.momentum == 0.0 and again.dense_below == 1024
 
 
+def _flat_config(**changes):
+    """A config in the flat layout files were written with before CompressionOptions."""
+    config = {"name": "block_sparse_optimizer",
+              "inner": keras.saving.serialize_keras_object(
+                  keras.optimizers.SGD(0.05, momentum=0.9)),
+              "k": 1, "density": None, "metric": "l1", "exchange": "allgather",
+              "nonfinite": "skip", "block_rules": {}, "granularity": "block",
+              "fusion_buffer_bytes": None, "clipping": [], "momentum_correction": None,
+              "dense_below": 0, "momentum_masking": "all"}
+    config.update(changes)
+    return config
+
+
 def test_config_without_the_new_keys_means_the_old_behaviour():
-    config = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
-                                       momentum_correction=None).get_config()
+    config = _flat_config()
     del config["momentum_correction"], config["dense_below"]
     old = tfbs.BlockSparseOptimizer.from_config(config)
     assert old.momentum_correction is None and old.inner_optimizer.momentum == 0.9
     assert old.dense_below == 0
+
+
+def test_flat_config_round_trips_into_the_composed_form():
+    old = tfbs.BlockSparseOptimizer.from_config(_flat_config(
+        inner=keras.saving.serialize_keras_object(keras.optimizers.SGD(0.05)), k=None,
+        density=0.25, metric="l2", exchange="shared", block_rules={"dense": "single"},
+        momentum_correction=0.5, momentum_masking="waited", dense_below=7))
+    assert old.momentum_correction == 0.5 and old.momentum_masking == "waited"
+    assert old.compression == tfbs.CompressionOptions(
+        density=0.25, metric="l2", exchange="shared", block_rules={"dense": "single"},
+        dense_below=7)
+    assert old.momentum_policy == tfbs.MomentumCorrection(0.5, masking="waited")
+    again = tfbs.BlockSparseOptimizer.from_config(old.get_config())
+    assert again.get_config() == old.get_config()
 
 
 def test_model_saved_by_version_0_1_0_loads_with_its_behaviour():

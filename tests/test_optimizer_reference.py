@@ -179,7 +179,7 @@ def test_dense_below_sends_small_variables_whole(mirrored2, mode):
         got = residual.value.values[1].numpy()
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
         assert np.any(got) == (int(np.prod(var.shape)) >= 100), var.path
-    assert opt.get_config()["dense_below"] == 100
+    assert opt.get_config()["compression"]["dense_below"] == 100
     # only the Dense kernel (5 blocks of 64) carries ids (1 + flag) or scores (5); the
     # 99 elements of the others go as one dense sum.
     side = 4 * 2 if mode == "allgather" else 4 * 5

@@ -1,10 +1,11 @@
 """tf_blocksparse: block-wise top-k gradient exchange with error feedback for tf.distribute.
 
-Core: :mod:`~tf_blocksparse.blocks` (block-rule table), :mod:`~tf_blocksparse.selection`,
-:mod:`~tf_blocksparse.feedback`, :mod:`~tf_blocksparse.codec`,
-:mod:`~tf_blocksparse.exchange`, :mod:`~tf_blocksparse.clipping`, and the TensorFlow-free
-planners of :mod:`tf_blocksparse.planning`.  Adapters: :mod:`tf_blocksparse.keras` and
-:mod:`tf_blocksparse.distribute`.
+Core: :mod:`~tf_blocksparse.blocks` (block-rule table), :mod:`~tf_blocksparse.options` (the
+one options object), :mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.feedback`,
+:mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.collectives`,
+:mod:`~tf_blocksparse.exchange` (the one exchange), :mod:`~tf_blocksparse.clipping`, and the
+TensorFlow-free planners of :mod:`tf_blocksparse.planning`.  Adapters:
+:mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.
 
 Importing the package imports no TensorFlow: the public names below are loaded on first
 use, so ``import tf_blocksparse.planning`` stays light.  Keras must still find
@@ -32,12 +33,14 @@ _EXPORTS = {
     "BlockSparseMetrics": "tf_blocksparse.keras.callbacks",
     "BlockSparseOptimizer": "tf_blocksparse.keras.optimizer",
     "BlockTopK": "tf_blocksparse.feedback",
+    "CompressionOptions": "tf_blocksparse.options",
     "DensityWarmup": "tf_blocksparse.keras.warmup",
     "ElementTopK": "tf_blocksparse.feedback",
     "EvalResult": "tf_blocksparse.keras.evaluation",
     "ExactValidation": "tf_blocksparse.keras.evaluation",
     "FusedCrossDeviceOps": "tf_blocksparse.distribute.fused_ops",
     "HybridTrainer": "tf_blocksparse.distribute.hybrid_trainer",
+    "MomentumCorrection": "tf_blocksparse.keras.momentum",
     "MultiWorkerMirroredStrategy": "tf_blocksparse.distribute.strategy",
     "Payload": "tf_blocksparse.feedback",
     "PipelineTrainer": "tf_blocksparse.distribute.pipeline_trainer",

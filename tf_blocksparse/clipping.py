@@ -1,18 +1,18 @@
-"""Layer-wise local gradient clipping (SPEC S2), per variable and per replica.
+"""Layer-wise local gradient clipping, per variable and per replica.
 
 Every rule acts on one variable's *local* gradient, before error feedback, selection and the
 exchange (``clip -> accumulate -> select -> exchange``), so clipping a layer needs nothing but
 that layer's gradient (and, for AGC, its weights): with per-group exchanges the last layers'
 clip + compress + send runs while earlier layers' backward still runs.
 
-The seed's "controller" that averages the workers' final local gradients per layer is the
-collective itself here: the exchange (``all_gather`` / ``all_reduce``) sums the clipped,
-compressed gradients of every replica (Keras scales each replica's loss by ``1 / replicas``, so
-the sum is the average).  No node is central.
+What averages the workers' final local gradients per layer is the collective itself: the
+exchange (``all_gather`` / ``all_reduce``) sums the clipped, compressed gradients of every
+replica (Keras scales each replica's loss by ``1 / replicas``, so the sum is the average).  No
+node is central.
 
 Rules (any combination, applied in the order given):
 
-- :class:`ValueClip`: element-wise to ``[lower, upper]`` (the seed's two thresholds).
+- :class:`ValueClip`: element-wise to ``[lower, upper]`` (two thresholds).
 - :class:`LocalNormClip`: norm clipping with DGC's scaling, threshold ``t * N^-1/2``.
 - :class:`AdaptiveClip`: NFNets' unit-wise Adaptive Gradient Clipping (units: see
   :mod:`tf_blocksparse.unitwise`; in ``BlockSparseOptimizer`` a rank >= 2 variable's units are

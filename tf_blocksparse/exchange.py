@@ -1,25 +1,27 @@
-"""Sparse and dense gradient exchange between replicas, in replica context.
+"""The one exchange of the project: error feedback, block selection and the collectives.
 
-Three modes, each a fixed, small number of collectives per step whatever the number of
-variables (all variables are packed into one buffer per buffer kind):
+:func:`run` does one step for the local replicas of a :mod:`~tf_blocksparse.collectives`
+object: the Keras optimizer wrapper calls it in replica context (:func:`run_exchange`), the
+``BlockSparseCrossDeviceOps`` and the hybrid trainer's group sync over a device list
+(:func:`tf_blocksparse.distribute.device_exchange.run_on_devices`).  Three modes, each a
+fixed, small number of collectives per step whatever the number of variables (all variables
+are packed into one buffer per kind):
 
-``"allgather"`` (the source patent's semantics)
-    Every replica picks its own top-k blocks.  One ``all_gather`` of an int32 buffer (all
-    block ids, plus one non-finite flag) and one of a float buffer (all block values); each
-    replica then sums every replica's blocks.  Bytes per replica: ``4 * (sum k_v + 1) +
-    itemsize * sum k_v * bs_v``; what a replica *receives* grows with the number of workers.
+``"allgather"``
+    Every replica picks its own top-k blocks.  One gather of an int32 buffer (all block ids,
+    plus one non-finite flag) and one of a float buffer (all block values); each replica then
+    sums every replica's blocks.  Bytes per replica: ``4 * (sum k_v + 1) + itemsize * sum
+    k_v * bs_v``; what a replica *receives* grows with the number of workers.
 ``"shared"`` (all-reduce compatible)
-    One ``all_reduce`` of the packed block scores; every replica picks the same top-k from
-    the summed scores; one ``all_reduce`` of those blocks' values.  Bytes per replica:
-    ``4 * sum nb_v + itemsize * sum k_v * bs_v``, flat in the number of workers.
+    One sum of the packed block scores; every replica picks the same top-k from the summed
+    scores; one sum of those blocks' values.  Bytes per replica: ``4 * sum nb_v + itemsize *
+    sum k_v * bs_v``, flat in the number of workers.
 ``"dense"``
-    One ``all_reduce`` of the gradients, exactly the call Keras makes (bit-identical).
+    One all-reduce of the gradients, exactly the call Keras makes (bit-identical).
 
 Variables sent whole (``BlockTopK.whole``, below its ``dense_below``) need neither ids nor
-scores: every block of theirs goes.  Both sparse modes sum them with one more ``all_reduce``
-of their packed accumulations (``itemsize * sum size_v`` bytes), and the sums above run over
-the compressed variables only; when every variable is whole that ``all_reduce`` is the only
-collective.
+scores: both sparse modes sum them with one more sum of their packed accumulations
+(``itemsize * sum size_v`` bytes); when every variable is whole that is the only collective.
 
 Keras divides each replica's loss by the number of replicas, so a SUM is the mean.  Every
 mode also returns a replica-identical ``finite`` flag without a collective of its own (the
@@ -30,15 +32,18 @@ show non-finite values as such).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from tf_blocksparse import codec, selection
+from tf_blocksparse.collectives import ReplicaCollectives
 from tf_blocksparse.feedback import BlockTopK, Prepared, take_blocks
+from tf_blocksparse.options import EXCHANGES, check_choice
 
-EXCHANGES = ("allgather", "shared", "dense")
-_SUM = tf.distribute.ReduceOp.SUM
+__all__ = ["EXCHANGES", "ExchangeResult", "dense_nbytes", "run", "run_exchange",
+           "selection_nbytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,14 @@ def dense_nbytes(tensors: Sequence[tf.Tensor]) -> int:
     return sum(codec.buffer_nbytes(t) for t in tensors)
 
 
+def selection_nbytes(comp: BlockTopK, dtypes: Sequence[Any]) -> int:
+    """Bytes of what one replica selects per step: an int32 id per kept block of each
+    compressed variable and the values of every kept block (a variable sent whole: all its
+    values, no ids)."""
+    return sum((0 if whole else 4 * n) + n * lay.block_size * tf.as_dtype(dt).size
+               for lay, n, whole, dt in zip(comp.layouts, comp.counts, comp.whole, dtypes))
+
+
 def _residual_norm(scores: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], metric: str
                    ) -> tf.Tensor:
     """Norm of the residual from scores: all blocks minus the selected ones."""
@@ -89,56 +102,50 @@ def _residual_norm(scores: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], metric
     return tf.sqrt(total) if metric == "l2" else total
 
 
-def _values_dtype(values: Sequence[tf.Tensor]) -> tf.DType:
-    dtypes = {v.dtype for v in values}
-    return dtypes.pop() if len(dtypes) == 1 else tf.float32
-
-
 def _pack_values(values: Sequence[tf.Tensor]) -> tf.Tensor:
     """One buffer of ``values``, in their common dtype (float32 when they mix)."""
-    dtype = _values_dtype(values)
+    dtypes = {v.dtype for v in values}
+    dtype = dtypes.pop() if len(dtypes) == 1 else tf.float32
     return codec.pack([tf.cast(v, dtype) for v in values])
-
-
-def _and(a: tf.Tensor | None, b: tf.Tensor) -> tf.Tensor:
-    """``a and b``, where ``a`` may be absent (``None``)."""
-    return b if a is None else tf.logical_and(a, b)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """One replica's share of an exchange over some of the variables.
+    """The local replicas' share of an exchange over some of the variables.
 
     Attributes:
       updates: ``{position: summed update [*shape]}``.
-      residuals: ``{position: new residual [*shape]}``.
+      residuals: Per local replica ``{position: new residual [*shape]}``.
       finite: Scalar bool, replica-identical; ``None`` when the part moved nothing.
-      nbytes: Bytes handed to the part's collectives.
+      nbytes: Bytes one replica handed to the part's collectives.
     """
 
     updates: dict[int, tf.Tensor]
-    residuals: dict[int, tf.Tensor]
+    residuals: tuple[dict[int, tf.Tensor], ...]
     finite: tf.Tensor | None
     nbytes: int
 
 
-def _sum_whole(ctx: tf.distribute.ReplicaContext, comp: BlockTopK, prepared: Prepared
-               ) -> _Part:
-    """The variables sent whole: one ``all_reduce`` of their packed accumulations.
+def _sum_whole(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared]) -> _Part:
+    """The variables sent whole: one sum of their packed accumulations.
 
     Every block of theirs is sent, so neither ids nor scores travel; their residuals become
     zero.  A non-finite value anywhere shows in the summed buffer on every replica.
     """
     whole = [p for p, w in enumerate(comp.whole) if w]
     if not whole:
-        return _Part({}, {}, None, 0)
-    accs = [prepared.accs[p] for p in whole]
-    buf = _pack_values(accs)
-    summed = ctx.all_reduce(_SUM, buf)
-    parts = codec.unpack(summed, [comp.layouts[p].shape for p in whole])
-    return _Part({p: tf.cast(u, a.dtype) for p, u, a in zip(whole, parts, accs)},
-                 {p: tf.zeros_like(a) for p, a in zip(whole, accs)},
-                 tf.reduce_all(tf.math.is_finite(summed)), codec.buffer_nbytes(buf))
+        return _Part({}, tuple({} for _ in prepared), None, 0)
+    bufs, residuals = [], []
+    for r, prep in enumerate(prepared):
+        with comm.local(r):
+            bufs.append(_pack_values([prep.accs[p] for p in whole]))
+            residuals.append({p: tf.zeros_like(prep.accs[p]) for p in whole})
+    summed = comm.sum(bufs)
+    with comm.combine():
+        parts = codec.unpack(summed, [comp.layouts[p].shape for p in whole])
+        updates = {p: tf.cast(u, prepared[0].accs[p].dtype) for p, u in zip(whole, parts)}
+        finite = tf.reduce_all(tf.math.is_finite(summed))
+    return _Part(updates, tuple(residuals), finite, codec.buffer_nbytes(bufs[0]))
 
 
 def _take(comp: BlockTopK, prepared: Prepared, ids: Sequence[tf.Tensor],
@@ -148,160 +155,152 @@ def _take(comp: BlockTopK, prepared: Prepared, ids: Sequence[tf.Tensor],
     return [v for v, _ in taken], {p: r for p, (_, r) in zip(sparse, taken)}
 
 
-def _result(comp: BlockTopK, prepared: Prepared, ids: Sequence[tf.Tensor],
-            parts: Sequence[_Part]) -> ExchangeResult:
-    """Merges the whole and the compressed variables' parts, in variable order."""
-    updates, residuals = {}, {}
+def _results(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared],
+             ids: Sequence[Sequence[tf.Tensor]], parts: Sequence[_Part]
+             ) -> list[ExchangeResult]:
+    """Merges the parts, in variable order, into one result per local replica."""
+    updates: dict[int, tf.Tensor] = {}
     finite = None
     for part in parts:
         updates.update(part.updates)
-        residuals.update(part.residuals)
         if part.finite is not None:
-            finite = _and(finite, part.finite)
+            finite = part.finite if finite is None else tf.logical_and(finite, part.finite)
     order = range(len(comp.layouts))
     sparse = [p for p in order if not comp.whole[p]]
-    return ExchangeResult(
-        tuple(updates[p] for p in order), tuple(residuals[p] for p in order),
-        tf.constant(True) if finite is None else finite, sum(p.nbytes for p in parts),
-        dense_nbytes(prepared.accs), sum(comp.counts),
-        _residual_norm([prepared.scores[p] for p in sparse], [ids[p] for p in sparse],
-                       comp.metric), tuple(ids))
+    out = []
+    for r, prep in enumerate(prepared):
+        residuals = {p: t for part in parts for p, t in part.residuals[r].items()}
+        with comm.local(r):
+            norm = _residual_norm([prep.scores[p] for p in sparse], [ids[r][p] for p in sparse],
+                                  comp.metric)
+        out.append(ExchangeResult(
+            tuple(updates[p] for p in order), tuple(residuals[p] for p in order),
+            tf.constant(True) if finite is None else finite, sum(p.nbytes for p in parts),
+            dense_nbytes(prep.accs), sum(comp.counts), norm, tuple(ids[r])))
+    return out
 
 
-def exchange_allgather(ctx: tf.distribute.ReplicaContext, comp: BlockTopK,
-                       prepared: Prepared) -> ExchangeResult:
+def _allgather(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared]
+               ) -> list[ExchangeResult]:
     """Each replica sends its own top-k blocks; updates are the sum of everybody's.
 
-    Variables sent whole are summed densely instead (one ``all_reduce``, no ids).  The
-    non-finite flag rides in the id buffer and covers every variable; with no compressed
-    variable there is no id buffer and the summed whole buffer carries it.
+    Variables sent whole are summed densely instead (no ids).  The non-finite flag rides in
+    the id buffer and covers every variable; with no compressed variable there is no id
+    buffer and the summed whole buffer carries it.
     """
-    whole = _sum_whole(ctx, comp, prepared)
-    ids = comp.select(prepared.scores)
+    whole = _sum_whole(comm, comp, prepared)
     sparse = [p for p, w in enumerate(comp.whole) if not w]
+    ids, residuals, id_bufs, val_bufs = [], [], [], []
+    for r, prep in enumerate(prepared):
+        with comm.local(r):
+            ids.append(comp.select(prep.scores))
+            if sparse:
+                values, res = _take(comp, prep, ids[r], sparse)
+                bad = tf.reshape(tf.cast(tf.logical_not(prep.finite), tf.int32), (1,))
+                id_bufs.append(codec.pack([*(ids[r][p] for p in sparse), bad]))
+                val_bufs.append(_pack_values(values))
+                residuals.append(res)
     if not sparse:
-        return _result(comp, prepared, ids, [whole])
-    values, residuals = _take(comp, prepared, ids, sparse)
-    bad = tf.reshape(tf.cast(tf.logical_not(prepared.finite), tf.int32), (1,))
-    id_buf = codec.pack([*(ids[p] for p in sparse), bad])
-    val_buf = _pack_values(values)
-    n = ctx.num_replicas_in_sync
-    all_ids = tf.reshape(ctx.all_gather(id_buf, axis=0), (n, -1))
-    all_vals = tf.reshape(ctx.all_gather(val_buf, axis=0), (n, -1))
+        return _results(comm, comp, prepared, ids, [whole])
+    all_ids = comm.gather(id_bufs)
+    all_vals = comm.gather(val_bufs)
     updates, i_off, v_off = {}, 0, 0
-    for p in sparse:
-        lay, k = comp.layouts[p], comp.counts[p]
-        g_ids = tf.reshape(all_ids[:, i_off:i_off + k], (-1,))
-        g_vals = tf.reshape(all_vals[:, v_off:v_off + k * lay.block_size], (-1, lay.block_size))
-        updates[p] = tf.cast(selection.scatter_blocks(g_vals, g_ids, lay), prepared.accs[p].dtype)
-        i_off, v_off = i_off + k, v_off + k * lay.block_size
-    gathered = _Part(updates, residuals, tf.equal(tf.reduce_sum(all_ids[:, -1]), 0),
-                     codec.buffer_nbytes(id_buf) + codec.buffer_nbytes(val_buf))
-    return _result(comp, prepared, ids, [whole, gathered])
+    with comm.combine():
+        for p in sparse:
+            lay, k = comp.layouts[p], comp.counts[p]
+            g_ids = tf.reshape(all_ids[:, i_off:i_off + k], (-1,))
+            g_vals = tf.reshape(all_vals[:, v_off:v_off + k * lay.block_size],
+                                (-1, lay.block_size))
+            updates[p] = tf.cast(selection.scatter_blocks(g_vals, g_ids, lay),
+                                 prepared[0].accs[p].dtype)
+            i_off, v_off = i_off + k, v_off + k * lay.block_size
+        finite = tf.equal(tf.reduce_sum(all_ids[:, -1]), 0)
+    gathered = _Part(updates, tuple(residuals), finite,
+                     codec.buffer_nbytes(id_bufs[0]) + codec.buffer_nbytes(val_bufs[0]))
+    return _results(comm, comp, prepared, ids, [whole, gathered])
 
 
-def exchange_shared(ctx: tf.distribute.ReplicaContext, comp: BlockTopK,
-                    prepared: Prepared) -> ExchangeResult:
-    """All replicas agree on the blocks with the highest summed score, then all-reduce them.
+def _shared(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared]) -> list[ExchangeResult]:
+    """All replicas agree on the blocks with the highest summed score, then sum them.
 
-    Variables sent whole are summed densely instead (one ``all_reduce``, no scores).
+    Variables sent whole are summed densely instead (no scores).
     """
-    whole = _sum_whole(ctx, comp, prepared)
+    whole = _sum_whole(comm, comp, prepared)
     sparse = [p for p, w in enumerate(comp.whole) if not w]
     if not sparse:
-        return _result(comp, prepared, comp.select(prepared.scores), [whole])
-    score_buf = codec.pack([prepared.scores[p] for p in sparse])
-    summed = ctx.all_reduce(_SUM, score_buf)
-    scores = list(prepared.scores)
-    for p, s in zip(sparse, codec.unpack(summed, [(comp.layouts[p].num_blocks,)
-                                                  for p in sparse])):
-        scores[p] = s
-    ids = comp.select(scores)
-    values, residuals = _take(comp, prepared, ids, sparse)
-    val_buf = _pack_values(values)
-    reduced = codec.unpack(ctx.all_reduce(_SUM, val_buf),
-                           [(comp.counts[p], comp.layouts[p].block_size) for p in sparse])
-    updates = {p: tf.cast(selection.scatter_blocks(v, ids[p], comp.layouts[p]),
-                          prepared.accs[p].dtype) for p, v in zip(sparse, reduced)}
-    agreed = _Part(updates, residuals, tf.reduce_all(tf.math.is_finite(summed)),
-                   codec.buffer_nbytes(score_buf) + codec.buffer_nbytes(val_buf))
-    return _result(comp, prepared, ids, [whole, agreed])
+        ids = []
+        for r, prep in enumerate(prepared):
+            with comm.local(r):
+                ids.append(comp.select(prep.scores))
+        return _results(comm, comp, prepared, ids, [whole])
+    score_bufs = []
+    for r, prep in enumerate(prepared):
+        with comm.local(r):
+            score_bufs.append(codec.pack([prep.scores[p] for p in sparse]))
+    summed = comm.sum(score_bufs)
+    with comm.combine():
+        scores = list(prepared[0].scores)
+        for p, s in zip(sparse, codec.unpack(summed, [(comp.layouts[p].num_blocks,)
+                                                      for p in sparse])):
+            scores[p] = s
+        common = comp.select(scores)
+    residuals, val_bufs = [], []
+    for r, prep in enumerate(prepared):
+        with comm.local(r):
+            values, res = _take(comp, prep, common, sparse)
+            val_bufs.append(_pack_values(values))
+            residuals.append(res)
+    reduced = comm.sum(val_bufs)
+    with comm.combine():
+        rows = codec.unpack(reduced, [(comp.counts[p], comp.layouts[p].block_size)
+                                      for p in sparse])
+        updates = {p: tf.cast(selection.scatter_blocks(v, common[p], comp.layouts[p]),
+                              prepared[0].accs[p].dtype) for p, v in zip(sparse, rows)}
+        finite = tf.reduce_all(tf.math.is_finite(summed))
+    agreed = _Part(updates, tuple(residuals), finite,
+                   codec.buffer_nbytes(score_bufs[0]) + codec.buffer_nbytes(val_bufs[0]))
+    return _results(comm, comp, prepared, [common] * len(prepared), [whole, agreed])
 
 
-def exchange_dense(ctx: tf.distribute.ReplicaContext, grads: Sequence[tf.Tensor]
-                   ) -> ExchangeResult:
-    """Plain all-reduce, the same call Keras' optimizer makes."""
-    grads = list(grads)
-    reduced = ctx.all_reduce(_SUM, grads)
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in reduced])
-    nbytes = dense_nbytes(grads)
-    return ExchangeResult(tuple(reduced), None, finite, nbytes, nbytes, 0, tf.constant(0.0))
+def _dense(comm: Any, grads: Sequence[Sequence[tf.Tensor]]) -> list[ExchangeResult]:
+    """Plain sum, in replica context the same call Keras' optimizer makes."""
+    reduced = comm.sum_each(grads)
+    with comm.combine():
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in reduced])
+    nbytes = dense_nbytes(grads[0])
+    return [ExchangeResult(tuple(reduced), None, finite, nbytes, nbytes, 0, tf.constant(0.0))
+            for _ in grads]
+
+
+def run(comm: Any, mode: str, comp: BlockTopK | None, grads: Sequence[Sequence[tf.Tensor]],
+        state: Sequence[Sequence[tf.Tensor]] | None) -> list[ExchangeResult]:
+    """Error feedback + selection + exchange for one step of the local replicas.
+
+    Args:
+      comm: A :class:`~tf_blocksparse.collectives.ReplicaCollectives` (one local replica)
+        or :class:`~tf_blocksparse.collectives.DeviceCollectives` (one per device).
+      mode: One of :data:`EXCHANGES`.
+      comp: The compressor (unused for ``"dense"``).
+      grads: ``grads[r][v]``: local replica ``r``'s gradient of variable ``v`` [*shape_v].
+      state: ``state[r][v]``: its residual [*shape_v] (unused for ``"dense"``).
+
+    Returns:
+      One :class:`ExchangeResult` per local replica (the same ``updates`` and ``finite``).
+    """
+    check_choice(mode, EXCHANGES, "exchange")
+    if mode == "dense":
+        return _dense(comm, grads)
+    prepared = []
+    for r, (g, s) in enumerate(zip(grads, state)):
+        with comm.local(r):
+            prepared.append(comp.prepare(g, s))
+    return (_allgather if mode == "allgather" else _shared)(comm, comp, prepared)
 
 
 def run_exchange(mode: str, ctx: tf.distribute.ReplicaContext, comp: BlockTopK | None,
                  grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor] | None
                  ) -> ExchangeResult:
-    """Error feedback + selection + exchange for one step, in replica context.
-
-    Args:
-      mode: One of :data:`EXCHANGES`.
-      ctx: The replica context (the default one works without a strategy).
-      comp: The compressor (unused for ``"dense"``).
-      grads: Per variable local gradients [*shape].
-      state: Per variable residuals [*shape] (unused for ``"dense"``).
-    """
-    if mode == "dense":
-        return exchange_dense(ctx, grads)
-    if mode not in EXCHANGES:
-        raise ValueError(f"`exchange` must be one of {EXCHANGES}, got {mode!r}")
-    prepared = comp.prepare(grads, state)
-    fn = exchange_allgather if mode == "allgather" else exchange_shared
-    return fn(ctx, comp, prepared)
-
-
-def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
-                         make_comp: Callable[[Sequence[int]], BlockTopK | None],
-                         grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor] | None,
-                         groups: Sequence[Sequence[int]], metric: str = "l1"
-                         ) -> ExchangeResult:
-    """One exchange per fusion group (its own packed buffers and collectives), combined.
-
-    Groups come in execution (backward) order, so a group's collectives depend only on its
-    own members' gradients and can start while earlier layers' backward still runs.
-
-    Args:
-      mode: One of :data:`EXCHANGES`.
-      ctx: The replica context.
-      make_comp: Builds the compressor for a group from its positions in ``grads``.
-      grads: Per variable local gradients [*shape].
-      state: Per variable residuals, or ``None`` for ``"dense"``.
-      groups: Positions in ``grads``; every position exactly once.
-      metric: ``"l1"`` or ``"l2"`` (to combine the residual norms).
-    """
-    n = len(grads)
-    updates: list[tf.Tensor | None] = [None] * n
-    residuals: list[tf.Tensor | None] = [None] * n
-    sent: list[tf.Tensor | None] = [None] * n
-    parts = []
-    for group in groups:
-        sub_state = None if state is None else [state[i] for i in group]
-        r = run_exchange(mode, ctx, make_comp(group), [grads[i] for i in group], sub_state)
-        parts.append(r)
-        for j, i in enumerate(group):
-            updates[i] = r.updates[j]
-            if r.residuals is not None:
-                residuals[i] = r.residuals[j]
-            if r.sent_ids is not None:
-                sent[i] = r.sent_ids[j]
-    if len(parts) == 1:
-        return parts[0]
-    if any(u is None for u in updates):
-        raise ValueError("`groups` must cover every gradient exactly once")
-    norms = [p.residual_norm for p in parts]
-    norm = tf.add_n(norms) if metric == "l1" else tf.sqrt(tf.add_n([x * x for x in norms]))
-    return ExchangeResult(
-        tuple(updates), None if state is None else tuple(residuals),
-        tf.reduce_all(tf.stack([p.finite for p in parts])),
-        sum(p.payload_bytes for p in parts), sum(p.dense_bytes for p in parts),
-        sum(p.blocks_kept for p in parts), norm,
-        None if state is None else tuple(sent))
+    """:func:`run` for this replica, in replica context (the default context works without
+    a strategy): ``grads`` and ``state`` are per variable [*shape]."""
+    return run(ReplicaCollectives(ctx), mode, comp, [grads],
+               None if state is None else [state])[0]

@@ -22,46 +22,17 @@ import tensorflow as tf
 
 from tf_blocksparse import selection
 from tf_blocksparse.blocks import ELEMENT, BlockLayout
+from tf_blocksparse.options import (
+    DEFAULT_DENSE_BELOW,
+    METRICS,
+    CompressionOptions,
+    check_choice,
+    validate_dense_below,
+    validate_k_density,
+)
 
-
-def validate_k_density(k: int | None, density: float | None) -> tuple[int | None, float | None]:
-    """Checks the selection-size arguments; returns ``(k, density)`` with k=1 as default.
-
-    Raises:
-      ValueError: Both given, ``k < 1`` or not an int, or ``density`` outside (0, 1].
-    """
-    if k is not None and density is not None:
-        raise ValueError(f"give exactly one of `k` and `density`, got k={k!r}, "
-                         f"density={density!r}")
-    if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"`k` must be an int >= 1, got {k!r}")
-        return k, None
-    if density is not None:
-        if isinstance(density, bool) or not isinstance(density, (int, float)) \
-                or not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"`density` must be a float in (0, 1], got {density!r}")
-        return None, float(density)
-    return 1, None
-
-
-#: Default ``dense_below`` of the optimizer wrapper and the CrossDeviceOps: variables with
-#: fewer elements (biases, normalisation vectors, first convolutions, small heads) are sent
-#: whole every step.  The core compressors themselves default to 0 (compress everything).
-DEFAULT_DENSE_BELOW = 1024
-
-
-def validate_dense_below(dense_below: int | None) -> int:
-    """Checks the small-variable threshold (elements); ``None`` means 0 (compress all).
-
-    Raises:
-      ValueError: Not an int >= 0.
-    """
-    if dense_below is None:
-        return 0
-    if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
-        raise ValueError(f"`dense_below` must be an int >= 0 (elements), got {dense_below!r}")
-    return dense_below
+__all__ = ["DEFAULT_DENSE_BELOW", "BlockTopK", "ElementTopK", "Payload", "Prepared",
+           "compressor_for", "take_blocks", "validate_dense_below", "validate_k_density"]
 
 
 def take_blocks(acc: tf.Tensor, layout: BlockLayout, ids: tf.Tensor
@@ -123,8 +94,7 @@ class BlockTopK:
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
                  density: float | None = None, metric: str = "l1", dense_below: int = 0):
-        if metric not in selection.METRICS:
-            raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
+        check_choice(metric, METRICS, "metric")
         self.k, self.density = validate_k_density(k, density)
         self.dense_below = validate_dense_below(dense_below)
         self.metric = metric
@@ -205,3 +175,9 @@ class ElementTopK(BlockTopK):
                  density: float | None = None, metric: str = "l1", dense_below: int = 0):
         super().__init__([dataclasses.replace(lay, rule=ELEMENT) for lay in layouts],
                          k, density, metric, dense_below)
+
+
+def compressor_for(options: CompressionOptions, layouts: Sequence[BlockLayout]) -> BlockTopK:
+    """The compressor ``options`` ask for (its ``granularity``) over ``layouts``."""
+    cls = ElementTopK if options.granularity == "element" else BlockTopK
+    return cls(layouts, options.k, options.density, options.metric, options.dense_below)

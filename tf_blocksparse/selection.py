@@ -14,8 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_blocksparse.blocks import BlockLayout
-
-METRICS = ("l1", "l2")
+from tf_blocksparse.options import METRICS
 
 
 def num_selected(num_blocks: int, k: int | None = None, density: float | None = None) -> int:

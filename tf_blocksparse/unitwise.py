@@ -1,4 +1,4 @@
-"""Unit-wise norms and NFNets' Adaptive Gradient Clipping (SPEC S2).
+"""Unit-wise norms and NFNets' Adaptive Gradient Clipping.
 
 A *unit* is the slice of a variable that AGC rescales as a whole.  NFNets' rule (Brock et al.
 2021): a scalar or vector is one unit; a dense kernel ``(in, out)`` has one unit per output

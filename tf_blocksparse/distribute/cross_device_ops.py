@@ -2,10 +2,11 @@
 
 ``tf.distribute.MirroredStrategy(cross_device_ops=tfbs.BlockSparseCrossDeviceOps(k=1))``
 with a *plain* Keras optimizer: the optimizer's gradient all-reduce (a SUM ``batch_reduce`` of
-per-replica float tensors) becomes, per device, error feedback + block top-k selection (the
-same :class:`~tf_blocksparse.feedback.BlockTopK` core as ``BlockSparseOptimizer``) and the
-sum of every device's selected blocks.  Residuals are owned by this object: one variable per
-device and gradient, created on first use.  Everything else -- single ``reduce`` calls
+per-replica float tensors) becomes, per device, error feedback + block top-k selection and the
+sum of every device's selected blocks: the same exchange as ``BlockSparseOptimizer``
+(:func:`tf_blocksparse.distribute.device_exchange.run_on_devices`), configured by the same
+:class:`~tf_blocksparse.options.CompressionOptions`.  Residuals are owned by this object: one
+variable per device and gradient, created on first use.  Everything else -- single ``reduce`` calls
 (metrics, ``strategy.reduce``), MEAN reductions, integer values, ``all_gather`` -- is a dense
 pass-through (reduce to one device, then broadcast).
 
@@ -18,7 +19,8 @@ Checkpoints: the residuals hang off :attr:`BlockSparseCrossDeviceOps.state`, a
 (``tf.train.Checkpoint(model=m, optimizer=o, residuals=ops.state)``).  Restoring before the
 first step works: the residuals are created on first use and take the restored values then.
 
-Non-finite gradients: when any device's gradient batch holds a NaN or Inf, the residuals are
+Non-finite gradients: when any device's accumulated gradient (gradient + residual) holds a
+NaN or Inf, the residuals are
 left unchanged and the *dense* sum goes to the optimizer (so its values are non-finite, as with
 the default reduction, and a ``LossScaleOptimizer`` skips the step).  A plain optimizer cannot
 be told to skip from here; use ``BlockSparseOptimizer(nonfinite="skip")`` for that.
@@ -26,22 +28,22 @@ be told to skip from here; use ``BlockSparseOptimizer(nonfinite="skip")`` for th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from tf_blocksparse import blocks, codec, selection
+from tf_blocksparse import blocks, codec
 from tf_blocksparse.distribute.batches import is_gradient_batch
-from tf_blocksparse.feedback import (
-    DEFAULT_DENSE_BELOW,
-    BlockTopK,
-    ElementTopK,
-    validate_dense_below,
-    validate_k_density,
+from tf_blocksparse.distribute.device_exchange import run_on_devices
+from tf_blocksparse.exchange import selection_nbytes
+from tf_blocksparse.feedback import compressor_for
+from tf_blocksparse.options import (
+    SPARSE_EXCHANGES,
+    CompressionOptions,
+    option_view,
+    options_from,
 )
-
-_SPARSE_EXCHANGES = ("allgather", "shared")
 
 
 class _ResidualState(tf.Module):
@@ -56,35 +58,38 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
     """Block-sparse SUM of gradient batches across the devices of one process.
 
     Args:
-      k: Blocks kept per variable per device (default 1).
-      density: Alternatively, the fraction of blocks kept.
-      metric: ``"l1"`` or ``"l2"``.
-      exchange: ``"allgather"`` (each device its own blocks) or ``"shared"`` (blocks chosen
-        from the scores summed over devices).
+      compression: A :class:`~tf_blocksparse.options.CompressionOptions` with a sparse
+        ``exchange`` (``"allgather"``: each device its own blocks; ``"shared"``: blocks
+        chosen from the scores summed over devices).
       model: Optional Keras model whose ``trainable_variables`` the gradients belong to.
-      block_rules: Optional ``{path regex: rule name}`` overrides.
-      granularity: ``"block"`` or ``"element"`` (element-wise top-k baseline).
-      dense_below: Gradients with fewer elements than this are sent whole (see
-        ``BlockSparseOptimizer``); default 1024, 0 compresses all.
+      **options: Alternatively, the arguments of ``CompressionOptions`` (``k``,
+        ``density``, ``metric``, ``exchange``, ``granularity``, ``dense_below``,
+        ``block_rules``).
+
+    Attributes:
+      options: The :class:`~tf_blocksparse.options.CompressionOptions`; its fields are
+        also readable as attributes (``k``, ``density``, ...).
+
+    Raises:
+      ValueError: A bad option (named), ``exchange="dense"``, or both ``compression`` and
+        option keywords.
     """
 
-    def __init__(self, k: int | None = None, density: float | None = None,
-                 metric: str = "l1", exchange: str = "allgather", model: Any = None,
-                 block_rules: Mapping[str, str] | None = None, granularity: str = "block",
-                 dense_below: int = DEFAULT_DENSE_BELOW):
-        self.k, self.density = validate_k_density(k, density)
-        self.dense_below = validate_dense_below(dense_below)
-        if metric not in selection.METRICS:
-            raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
-        if exchange not in _SPARSE_EXCHANGES:
-            raise ValueError(f"`exchange` must be one of {_SPARSE_EXCHANGES}, got {exchange!r}")
-        if granularity not in ("block", "element"):
-            raise ValueError(f"`granularity` must be 'block' or 'element', got {granularity!r}")
-        for rule in (block_rules or {}).values():
-            blocks._as_rule(rule, "block_rules")
+    k = option_view("k", "options")
+    density = option_view("density", "options")
+    metric = option_view("metric", "options")
+    exchange = option_view("exchange", "options")
+    granularity = option_view("granularity", "options")
+    dense_below = option_view("dense_below", "options")
+    block_rules = property(lambda self: self.options.rules, doc="``options.rules``.")
+
+    def __init__(self, compression: CompressionOptions | None = None, *, model: Any = None,
+                 **options: Any):
+        self.options = options_from(compression, options, "BlockSparseCrossDeviceOps")
+        if not self.options.sparse:
+            raise ValueError(f"`exchange` must be one of {SPARSE_EXCHANGES} for "
+                             f"BlockSparseCrossDeviceOps, got {self.options.exchange!r}")
         super().__init__()
-        self.metric, self.exchange, self.granularity = metric, exchange, granularity
-        self.block_rules = dict(block_rules or {})
         self._model = model
         self._residuals: dict[tuple, list[list[tf.Variable]]] = {}
         self.state = _ResidualState()
@@ -100,11 +105,12 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
 
     # -- which reductions are gradient batches ---------------------------------------------
     def _layouts(self, shapes: Sequence[tuple[int, ...]]) -> list[blocks.BlockLayout]:
+        rules = self.options.rules
         variables = list(getattr(self._model, "trainable_variables", []) or [])
         if [tuple(v.shape) for v in variables] == list(shapes):
-            return blocks.layouts_for(variables, self._model, self.block_rules)
+            return blocks.layouts_for(variables, self._model, rules)
         return [blocks.rule_for(f"gradient_{i}/{'kernel' if len(s) >= 2 else 'bias'}", s,
-                                overrides=self.block_rules) for i, s in enumerate(shapes)]
+                                overrides=rules) for i, s in enumerate(shapes)]
 
     def _state(self, key: tuple, devices: Sequence[str], layouts: Sequence[blocks.BlockLayout],
                dtypes: Sequence[tf.DType]) -> list[list[tf.Variable]]:
@@ -138,44 +144,13 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         shapes = [tuple(v.values[0].shape) for v in values]
         dtypes = [v.values[0].dtype for v in values]
         layouts = self._layouts(shapes)
-        comp_cls = ElementTopK if self.granularity == "element" else BlockTopK
-        comp = comp_cls(layouts, self.k, self.density, self.metric, self.dense_below)
+        comp = compressor_for(self.options, layouts)
         state = self._state((tuple(devices), tuple(shapes)), devices, layouts, dtypes)
-        prepared, flags = [], []
-        for d, dev in enumerate(devices):
-            with tf.device(dev):
-                grads = [v.values[d] for v in values]
-                flags.append(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
-                prepared.append(comp.prepare(grads, [r.read_value() for r in state[d]]))
-        with tf.device(devices[0]):
-            finite = tf.reduce_all(tf.stack(flags))
-        with tf.device(devices[0]):
-            if self.exchange == "shared":
-                summed = [tf.add_n([p.scores[i] for p in prepared]) for i in range(len(values))]
-                common = comp.select(summed)
-                ids = [common] * len(devices)
-            else:
-                ids = [None] * len(devices)
-        payloads = []
-        for d, dev in enumerate(devices):
-            with tf.device(dev):
-                chosen = ids[d] if ids[d] is not None else comp.select(prepared[d].scores)
-                payload, new_state = comp.finish(prepared[d], chosen)
-                for r, s in zip(state[d], new_state):
-                    r.assign(tf.where(finite, s, r.read_value()))
-                payloads.append(payload)
-        ids_sent = [i for i, whole in zip(payloads[0].ids, comp.whole) if not whole]
-        self.payload_bytes = sum(codec.buffer_nbytes(t)  # no ids for variables sent whole
-                                 for t in (*ids_sent, *payloads[0].values))
+        updates = run_on_devices(devices, self.options.exchange, comp,
+                                 [[v.values[d] for v in values] for d in range(len(devices))],
+                                 state)
+        self.payload_bytes = selection_nbytes(comp, dtypes)
         self.dense_bytes = sum(codec.buffer_nbytes(v.values[0]) for v in values)
-        results = []
         with tf.device(devices[0]):
-            for i, (lay, (_, dest)) in enumerate(zip(comp.layouts, value_destination_pairs)):
-                rows = tf.concat([p.values[i] for p in payloads], axis=0)
-                row_ids = tf.concat([p.ids[i] for p in payloads], axis=0)
-                update = selection.scatter_blocks(rows, row_ids, lay)
-                dense = values[i].values
-                update = tf.cond(finite, lambda u=update: u,
-                                 lambda d=dense: tf.add_n([tf.identity(t) for t in d]))
-                results.append(self.broadcast_implementation(update, dest))
-        return results
+            return [self.broadcast_implementation(u, dest)
+                    for u, (_, dest) in zip(updates, value_destination_pairs)]

@@ -6,14 +6,15 @@ layer (the replica's compute device, or the host device for layers in "expanded"
 
 :class:`GroupSync` sums one group's per-replica gradients **variable by variable**: the sum of
 variable ``v`` depends only on the replicas' gradients of ``v``, so it can start as soon as
-those are ready (during the rest of the backward pass).  Dense: ``tf.add_n`` on the group's
-first compute device.  Block-sparse (per variable and replica, as in
-:class:`~tf_blocksparse.distribute.cross_device_ops.BlockSparseCrossDeviceOps`): error feedback
-``acc = grad + residual``, the top-k blocks of ``acc`` by L1/L2 score (a Dense kernel's block is
-one output unit's incoming weights, a conv kernel's one filter), ``residual = acc`` with those
-blocks zeroed, and the sum of every replica's selected blocks; when a replica's ``acc`` holds an
-inf/NaN the residuals stay unchanged and the dense sum is used.  The result is copied to every
-replica's variable device.
+those are ready (during the rest of the backward pass).  Dense: one sum on the group's first
+compute device.  Block-sparse: the project's one exchange over the replicas' devices
+(:func:`~tf_blocksparse.distribute.device_exchange.run_on_devices`, as in
+:class:`~tf_blocksparse.distribute.cross_device_ops.BlockSparseCrossDeviceOps`), per variable:
+error feedback ``acc = grad + residual``, the top-k blocks of ``acc`` by L1/L2 score (a Dense
+kernel's block is one output unit's incoming weights, a conv kernel's one filter), ``residual =
+acc`` with those blocks zeroed, and the sum of every replica's selected blocks; when a
+replica's ``acc`` holds an inf/NaN the residuals stay unchanged and the dense sum is used.  The
+result is copied to every replica's variable device.
 """
 
 from __future__ import annotations
@@ -25,35 +26,55 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import blocks, selection
+from tf_blocksparse import blocks
+from tf_blocksparse.collectives import DeviceCollectives
+from tf_blocksparse.distribute.device_exchange import run_on_devices
 from tf_blocksparse.distribute.devices import device_key
 from tf_blocksparse.distribute.replica import Replica
 from tf_blocksparse.distribute.slicing import split_sizes
-from tf_blocksparse.feedback import BlockTopK, validate_k_density
+from tf_blocksparse.exchange import selection_nbytes
+from tf_blocksparse.feedback import BlockTopK, compressor_for
+from tf_blocksparse.options import CompressionOptions
 
 __all__ = ["GroupSync", "ancestors", "check_compression", "check_devices",
            "gradient_dependencies", "replica_report", "row_sizes", "variable_bytes"]
 
 
-def check_compression(spec: Mapping[str, Any] | None, arg: str) -> dict[str, Any] | None:
-    """Validates a block-sparse spec ``{"k" | "density", "metric"}``; ``None`` means dense.
+def check_compression(spec: Mapping[str, Any] | CompressionOptions | None, arg: str
+                      ) -> dict[str, Any] | CompressionOptions | None:
+    """Validates a group's compression; ``None`` means dense.
+
+    Args:
+        spec: ``None``, a :class:`~tf_blocksparse.options.CompressionOptions`, or a spec
+            ``{"k" | "density", "metric"}`` (every variable compressed, ``"allgather"``).
+        arg: The argument's name, for errors.
+
+    Returns:
+        ``None``, the options as given, or the spec normalised (``k``, ``density``,
+        ``metric``).
 
     Raises:
         ValueError: Unknown keys, bad ``k`` / ``density`` or ``metric`` (naming ``arg``).
     """
-    if spec is None:
-        return None
+    if spec is None or isinstance(spec, CompressionOptions):
+        return spec
     if not isinstance(spec, Mapping) or set(spec) - {"k", "density", "metric"}:
-        raise ValueError(f"{arg} must be None or a dict with keys k, density, metric; got "
-                         f"{spec!r}")
+        raise ValueError(f"{arg} must be None, a tfbs.CompressionOptions or a dict with keys "
+                         f"k, density, metric; got {spec!r}")
     try:
-        k, density = validate_k_density(spec.get("k"), spec.get("density"))
+        opts = _spec_options(spec)
     except ValueError as err:
         raise ValueError(f"{arg}: {err}") from err
-    metric = spec.get("metric", "l1")
-    if metric not in selection.METRICS:
-        raise ValueError(f"{arg}: metric must be one of {selection.METRICS}, got {metric!r}")
-    return {"k": k, "density": density, "metric": metric}
+    return {"k": opts.k, "density": opts.density, "metric": opts.metric}
+
+
+def _spec_options(spec: Mapping[str, Any] | CompressionOptions | None
+                  ) -> CompressionOptions | None:
+    """The options of a checked spec: a dict compresses every variable (``dense_below=0``)."""
+    if spec is None or isinstance(spec, CompressionOptions):
+        return spec
+    return CompressionOptions(k=spec.get("k"), density=spec.get("density"),
+                              metric=spec.get("metric", "l1"), dense_below=0)
 
 
 def check_devices(devices: Any, arg: str) -> list[str]:
@@ -163,22 +184,29 @@ class GroupSync:
     Args:
         replicas: The group's replicas (same variables, in the same order).
         model: The original model (gives the block rule of each variable's layer).
-        compression: ``None`` (dense) or a checked spec (:func:`check_compression`).
+        compression: ``None`` (dense) or a checked spec or options (:func:`check_compression`).
         name: Group name (``"conv"`` / ``"fc"``), used in op and variable names.
+
+    Attributes:
+        compression: As given.
+        options: The :class:`~tf_blocksparse.options.CompressionOptions` applied, or
+            ``None`` when the group sums densely.
     """
 
     def __init__(self, replicas: Sequence[Replica], model: keras.Model,
-                 compression: Mapping[str, Any] | None, name: str) -> None:
+                 compression: Mapping[str, Any] | CompressionOptions | None, name: str) -> None:
         self.replicas = list(replicas)
         self.name = name
         self.compression = compression
+        options = _spec_options(compression)
+        self.options = options if options is not None and options.sparse else None
         refs = self.replicas[0].trainable_refs
-        self.layouts = blocks.layouts_for(refs, model)
+        self.layouts = blocks.layouts_for(refs, model,
+                                          self.options.rules if self.options else None)
         self.compressors: list[BlockTopK] = []
         self.residuals: list[list[tf.Variable]] = []
-        if compression is not None:
-            self.compressors = [BlockTopK([lay], compression["k"], compression["density"],
-                                          compression["metric"]) for lay in self.layouts]
+        if self.options is not None:
+            self.compressors = [compressor_for(self.options, [lay]) for lay in self.layouts]
             for r, rep in enumerate(self.replicas):
                 per_var = []
                 for i, (var, dev) in enumerate(zip(rep.trainable, rep.var_devices)):
@@ -190,28 +218,35 @@ class GroupSync:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes one replica contributes per step: ``{"dense": ..., "payload": ...}``."""
-        sizes = [tf.as_dtype(r.dtype).size for r in self.replicas[0].trainable_refs]
-        dense = sum(lay.size * s for lay, s in zip(self.layouts, sizes))
+        dtypes = [r.dtype for r in self.replicas[0].trainable_refs]
+        dense = sum(lay.size * tf.as_dtype(dt).size for lay, dt in zip(self.layouts, dtypes))
         if not self.compressors:
             return {"dense": dense, "payload": dense}
-        payload = sum(n * (lay.block_size * s + 4) for c, lay, s in
-                      zip(self.compressors, self.layouts, sizes) for n in c.counts)
-        return {"dense": dense, "payload": payload}
+        return {"dense": dense, "payload": sum(selection_nbytes(c, [dt]) for c, dt
+                                               in zip(self.compressors, dtypes))}
 
     def reduce(self, grads: Sequence[Sequence[tf.Tensor]]) -> tuple[list, list]:
         """Sums ``grads[r][v]`` over replicas ``r`` for every variable ``v``.
+
+        Dense: one sum per variable on the group's first compute device.  Block-sparse: the
+        project's exchange per variable
+        (:func:`~tf_blocksparse.distribute.device_exchange.run_on_devices`).
 
         Returns:
             ``(totals, per_replica)``: ``totals[v]`` the sum [*shape_v] on the group's first
             compute device; ``per_replica[r][v]`` its copy on replica ``r``'s variable device.
         """
-        first = self.replicas[0].device
+        devices = [rep.device for rep in self.replicas]
         totals = []
         for v in range(len(self.layouts)):
             with tf.name_scope(f"{self.name}_allreduce_{v}"):
                 column = [g[v] for g in grads]
-                totals.append(self._dense(column, first) if not self.compressors
-                              else self._sparse(v, column, first))
+                if not self.compressors:
+                    totals.append(DeviceCollectives(devices).sum(column))
+                else:
+                    totals.append(run_on_devices(
+                        devices, self.options.exchange, self.compressors[v],
+                        [[g] for g in column], [[res[v]] for res in self.residuals])[0])
         per_replica = []
         for rep in self.replicas:
             copies = []
@@ -220,30 +255,3 @@ class GroupSync:
                     copies.append(tf.identity(total))
             per_replica.append(copies)
         return totals, per_replica
-
-    @staticmethod
-    def _dense(column: Sequence[tf.Tensor], device: str) -> tf.Tensor:
-        with tf.device(device):
-            return column[0] if len(column) == 1 else tf.add_n(list(column))
-
-    def _sparse(self, v: int, column: Sequence[tf.Tensor], device: str) -> tf.Tensor:
-        comp, lay = self.compressors[v], self.layouts[v]
-        prepared = []
-        for r, (rep, g) in enumerate(zip(self.replicas, column)):
-            with tf.device(rep.device):
-                prepared.append(comp.prepare([g], [self.residuals[r][v].read_value()]))
-        with tf.device(device):
-            finite = tf.reduce_all(tf.stack([p.finite for p in prepared]))
-        values, ids = [], []
-        for r, (rep, p) in enumerate(zip(self.replicas, prepared)):
-            with tf.device(rep.device):
-                payload, new_state = comp.finish(p, comp.select(p.scores))
-                res = self.residuals[r][v]
-                res.assign(tf.where(finite, new_state[0], res.read_value()))
-                values.append(payload.values[0])
-                ids.append(payload.ids[0])
-        with tf.device(device):
-            return tf.cond(
-                finite,
-                lambda: selection.scatter_blocks(tf.concat(values, 0), tf.concat(ids, 0), lay),
-                lambda: self._dense(column, device))

@@ -1,5 +1,7 @@
-"""Keras adapters: the optimizer wrapper, callbacks and the layer profiler."""
+"""Keras adapters: the optimizer wrapper and its momentum policy, callbacks and the layer
+profiler."""
 
+from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.profiler import (
     LayerMeasurement,
     chain_layers,
@@ -7,4 +9,5 @@ from tf_blocksparse.keras.profiler import (
     profile_model,
 )
 
-__all__ = ["LayerMeasurement", "chain_layers", "measure_layers", "profile_model"]
+__all__ = ["LayerMeasurement", "MomentumCorrection", "chain_layers", "measure_layers",
+           "profile_model"]

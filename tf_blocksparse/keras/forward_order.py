@@ -1,4 +1,4 @@
-"""Derives the execution order of a model's gradients from its forward pass (SPEC S1).
+"""Derives the execution order of a model's gradients from its forward pass.
 
 Gradients become ready in *backward* order, the reverse of the order in which the forward
 pass first uses the variables.  ``model.trainable_variables`` lists variables in tracking

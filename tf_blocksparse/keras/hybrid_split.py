@@ -1,4 +1,4 @@
-"""Splitting a Keras CNN at its conv/FC boundary (SPEC S4).
+"""Splitting a Keras CNN at its conv/FC boundary.
 
 :func:`find_boundary` locates the tensor where a model's convolutional trunk ends and its
 fully-connected head begins: the input of the first ``Dense`` / ``EinsumDense`` layer after the

@@ -8,12 +8,12 @@ context with the replica's own, un-aggregated gradients)::
     residual = acc with the selected blocks zeroed          # per-replica state
     inner.apply(summed update)                               # identical on every replica
 
-The inner optimizer's own all-reduce is switched off (the wrapper's exchange replaces it).
-With ``SGD(momentum=m)`` inside and a sparse exchange, the momentum is by default moved
-*before* the exchange (``momentum_correction="auto"``: DGC's local momentum with factor
-masking); ``momentum_correction=None`` keeps it in the inner SGD, applied to the exchanged
-update (*global momentum*).  Keras options of the inner optimizer (``clipnorm``,
-``weight_decay``, EMA) act on the exchanged update, not per replica.
+The wrapper is composed of parts, each with its own config: *what* is exchanged is a
+:class:`~tf_blocksparse.options.CompressionOptions`, *where the momentum lives* a
+:class:`~tf_blocksparse.keras.momentum.MomentumCorrection` policy, and the optional clipping
+rules of :mod:`tf_blocksparse.clipping`.  The inner optimizer's own all-reduce is switched off
+(the wrapper's exchange replaces it); its Keras options (``clipnorm``, ``weight_decay``, EMA)
+act on the exchanged update, not per replica.
 
 Non-finite gradients (``nonfinite="skip"``, the default): if any replica's accumulated
 gradient holds an inf or NaN, every replica skips the step: weights, inner optimizer state,
@@ -26,120 +26,105 @@ a ``LossScaleOptimizer`` *inside* is rejected because residuals would mix loss s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import blocks, codec
+from tf_blocksparse import blocks
 from tf_blocksparse import clipping as clipping_lib
-from tf_blocksparse import exchange as exchange_lib
-from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.forward_order import backward_ranks
+from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
-    AUTO,
-    DENSE_BELOW,
-    GRANULARITIES,
-    NONFINITE,
+    OptionsView,
+    check_inner,
+    check_step_arguments,
+    config_arguments,
     densify,
     discover_owners,
     no_all_reduce,
-    validate_arguments,
+    split_arguments,
 )
-from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
+from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
+from tf_blocksparse.planning.fusion import FusionPlan
 from tf_blocksparse.unitwise import layout_unit_axes
 
-__all__ = ["BlockSparseOptimizer", "GRANULARITIES", "NONFINITE", "STAT_NAMES",
-           "discover_owners"]
+__all__ = ["NONFINITE", "STAT_NAMES", "BlockSparseOptimizer", "discover_owners"]
 
 STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps")
 
 
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
-class BlockSparseOptimizer(keras.optimizers.Optimizer):
+class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer with block-wise top-k gradient exchange and error feedback.
+
+    ``BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))`` is the default: one
+    block per variable and replica per step (``k=1``), ``"allgather"``, variables under 1024
+    elements sent whole, the SGD's momentum moved before the exchange.
 
     Args:
       inner: The Keras optimizer that applies the exchanged update (e.g. ``SGD(0.1,
-        momentum=0.9)``).  It becomes owned by the wrapper (its all-reduce is disabled).
-      k: Blocks kept per variable per step (int >= 1).  Default 1 when ``density`` is unset.
-      density: Alternatively, fraction in (0, 1]: ``ceil(density * num_blocks)`` blocks.
-      metric: Block score, ``"l1"`` or ``"l2"``.
-      exchange: ``"allgather"``, ``"shared"`` or ``"dense"`` (see
-        :mod:`tf_blocksparse.exchange`).
+        momentum=0.9)``); it sets the learning rate.  It becomes owned by the wrapper (its
+        all-reduce is disabled).
+      compression: A :class:`~tf_blocksparse.options.CompressionOptions` (``k``,
+        ``density``, ``metric``, ``exchange``, ``granularity``, ``dense_below``,
+        ``block_rules``).  Its arguments may instead be given as keywords here.
+      momentum_correction: Where the momentum lives: a
+        :class:`~tf_blocksparse.keras.momentum.MomentumCorrection`, or its shorthand:
+        ``"auto"`` (default: an inner ``SGD(momentum=m)``, not Nesterov, with a sparse
+        exchange has ``m`` moved before the exchange and its own set to 0; otherwise
+        ``None``), a float ``m`` in [0, 1) (the inner optimizer must have no momentum), or
+        ``None`` (no local momentum; an inner SGD's momentum then applies *global*
+        momentum to the exchanged update).  With ``momentum_masking=`` for the shorthand.
+      clipping: Optional rule or list of rules of :mod:`tf_blocksparse.clipping`, applied
+        to each replica's local gradient of each variable before error feedback and the
+        exchange (their state is per replica and saved with the optimizer).
       nonfinite: ``"skip"`` (default) or ``"apply"``.
-      block_rules: Optional ``{path regex: rule name}`` overriding the block-rule table.
-      model: Optional Keras model whose layers own the variables.  Without it the owning
-        layers are found among the live Keras layers at build time; either way every
-        variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
-        With it (and ``fusion_buffer_bytes``) the gradients' backward order is derived
-        from a trace of its forward pass at build time
-        (:mod:`tf_blocksparse.keras.forward_order`).
-      granularity: ``"block"`` (default) or ``"element"``: element-wise top-k with error
-        feedback, the DGC/GRACE baseline (use with ``density``).
       fusion_buffer_bytes: Optional fusion buffer size: variables are exchanged in balanced
         groups (contiguous in backward order, see :mod:`tf_blocksparse.planning.fusion`),
         one set of collectives per group, so the last layers' exchange can start while
         backward still runs.  The backward order is derived from ``model`` when given, else
         taken as the reverse of the variable order.  Default: one group for all variables.
-      clipping: Optional rule or list of rules of :mod:`tf_blocksparse.clipping`, applied
-        to each replica's local gradient of each variable before error feedback and the
-        exchange (their state is per replica and saved with the optimizer).
-      momentum_correction: Where the momentum lives.  ``"auto"`` (default): with an inner
-        ``SGD(momentum=m)`` (not Nesterov) and a sparse exchange, ``m`` is moved before the
-        exchange as below and the inner SGD's momentum is set to 0; otherwise as ``None``.
-        A float ``m`` in [0, 1): momentum kept *per replica before* the exchange, with
-        DGC's momentum correction and factor masking (Lin et al., ICLR 2018): ``u = m u +
-        grad`` goes through error feedback and selection in place of ``grad``, and the
-        blocks a replica sent are zeroed in its ``u`` too; the inner optimizer must then
-        have no momentum of its own.  ``None``: no local momentum; an inner
-        ``SGD(momentum=m)`` applies *global* momentum to the exchanged update, which with
-        aggressive sparsification releases residuals late into a running velocity and can
-        oscillate or collapse.  With ``exchange="dense"`` the two are the same math.
-      momentum_masking: With ``momentum_correction``, which sent blocks are zeroed in the
-        local momentum: ``"all"`` (DGC's factor masking, default); ``"none"`` keeps the
-        momentum whole (every block receives momentum SGD's total update, only later; a
-        block sent every step trains as plain momentum SGD, whereas ``"all"`` takes its
-        momentum away); ``"waited"`` zeroes only blocks that had waited (a non-zero
-        residual before this step), so blocks sent step after step keep their momentum
-        and a block released after a wait does not carry its burst on.
-      dense_below: Size in elements: variables smaller than this are sent whole every
-        step (a dense sum, no residual), as DGC leaves small layers uncompressed.  E.g. a
-        10-class ``Dense`` kernel has only 10 blocks, so ``k=1`` would update one class per
-        step.  Default 1024 (biases, normalisation vectors, first convolutions, small
-        heads); 0 compresses every variable.
+      model: Optional Keras model whose layers own the variables.  Without it the owning
+        layers are found among the live Keras layers at build time; either way every
+        variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
+        With it (and ``fusion_buffer_bytes``) the backward order is derived from a trace of
+        its forward pass at build time (:mod:`tf_blocksparse.keras.forward_order`).
       name: Optimizer name.
+      **options: The arguments of ``CompressionOptions`` (instead of ``compression``) and
+        ``momentum_masking``.
+
+    Raises:
+      TypeError: ``inner`` is not a Keras optimizer, or is a ``LossScaleOptimizer`` or
+        ``BlockSparseOptimizer``.
+      ValueError: Any bad argument, named: e.g. ``learning_rate`` (set it on the inner
+        optimizer), an invalid ``block_rules`` regex, an inner optimizer with
+        ``gradient_accumulation_steps``.  The inner optimizer is left unchanged then.
     """
 
-    def __init__(self, inner: keras.optimizers.Optimizer, k: int | None = None,
-                 density: float | None = None, metric: str = "l1",
-                 exchange: str = "allgather", nonfinite: str = "skip",
-                 block_rules: Mapping[str, str] | None = None, model: Any = None,
-                 granularity: str = "block", fusion_buffer_bytes: int | None = None,
-                 clipping: Any = None, momentum_correction: float | str | None = AUTO,
-                 dense_below: int | None = DENSE_BELOW, momentum_masking: str = "all",
-                 name: str | None = None, **kwargs: Any):
+    def __init__(self, inner: keras.optimizers.Optimizer,
+                 compression: CompressionOptions | None = None, *,
+                 momentum_correction: MomentumCorrection | float | str | None = AUTO,
+                 clipping: Any = None, nonfinite: str = "skip",
+                 fusion_buffer_bytes: int | None = None, model: Any = None,
+                 name: str | None = None, **options: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
-        k, density, rules, momentum_correction, dense_below = validate_arguments(
-            inner, k, density, metric, exchange, nonfinite, block_rules, granularity,
-            fusion_buffer_bytes, clipping, momentum_correction, dense_below, momentum_masking,
-            kwargs)
+        check_inner(inner)
+        check_step_arguments(nonfinite, fusion_buffer_bytes)
+        rules = clipping_lib.as_rules(clipping)
+        compression, momentum = split_arguments(inner, compression, momentum_correction,
+                                                options)
         super().__init__(learning_rate=0.0, name=name)
-        self.dense_below = dense_below
-        self.momentum_masking = momentum_masking
+        self.compression = compression
+        self.momentum_policy = momentum
         self.inner_optimizer = inner
-        self.k, self.density = k, density
-        self.metric = metric
-        self.exchange = exchange
         self.nonfinite = nonfinite
-        self.granularity = granularity
         self.fusion_buffer_bytes = fusion_buffer_bytes
         self.clipping = rules
-        self.momentum_correction = momentum_correction
-        self.block_rules = dict(block_rules or {})
         self._model = model
         inner._all_reduce_sum_gradients = no_all_reduce
         self.layouts: list[blocks.BlockLayout] = []
@@ -163,7 +148,7 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             self._residuals = [self._per_replica_variable(v, v.shape, v.dtype, "residual_")
                                for v in var_list]
         self._velocities = []
-        if self.momentum_correction:
+        if self.momentum_policy is not None and self.momentum_policy.active:
             self._velocities = [self._per_replica_variable(v, v.shape, v.dtype, "velocity_")
                                 for v in var_list]
         self._clip_states = [[self._per_replica_variable(v, (rule.state_size,), "float32",
@@ -255,44 +240,32 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
             commits += [(s, n) for vs, ns in zip(clip_vars, new) for s, n in zip(vs, ns)]
         velocities = [self._velocities[i] for i in idx] if self._velocities else []
         if velocities:  # DGC momentum correction: u = m u + g is what gets exchanged
-            m = self.momentum_correction
-            grads = [tf.cast(m, g.dtype) * tf.convert_to_tensor(u.value) + g
-                     for u, g in zip(velocities, grads)]
+            grads = self.momentum_policy.accumulate(
+                [tf.convert_to_tensor(u.value) for u in velocities], grads)
         groups = self._fusion_groups(grads, idx)
         state = None
-        if self.exchange == "dense":
-            result = exchange_lib.run_grouped_exchange(
-                "dense", ctx, lambda g: None, grads, None, groups, self.metric)
-        else:
-            def make_comp(group: Sequence[int]) -> BlockTopK:
-                return self._compressor([idx[i] for i in group])
-
+        if self.exchange != "dense":
             residuals = [self._residuals[i] for i in idx]
             state = [tf.convert_to_tensor(r.value) for r in residuals]
-            result = exchange_lib.run_grouped_exchange(
-                self.exchange, ctx, make_comp, grads, state, groups, self.metric)
+        result = step.run_grouped_exchange(
+            self.exchange, ctx, lambda group: self._compressor([idx[i] for i in group]),
+            grads, state, groups, self.metric)
+        if state is not None:
             commits += list(zip(residuals, result.residuals))
         if velocities:  # factor masking: what a replica sent leaves its velocity too
-            waited = state if self.momentum_masking == "waited" else None
-            kept = (grads if self.momentum_masking == "none"
-                    else self._mask_sent(grads, idx, result.sent_ids, waited))
+            kept = self.momentum_policy.mask(grads, self._compressor(idx).layouts,
+                                             result.sent_ids, state)
             commits += list(zip(velocities, kept))
         if commits:
-            self._when_finite(result.finite,
-                              lambda: tf.group([v.value.assign(s) for v, s in commits]))
-        self._record(result)
-        self._apply_inner(result.updates, tvs, result.finite)
+            step.when_finite(self.nonfinite, result.finite,
+                             lambda: tf.group([v.value.assign(s) for v, s in commits]))
+        step.record_stats(self._stats, result)
+        step.apply_inner(self.inner_optimizer, self.nonfinite, result.updates, tvs,
+                         result.finite)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
-        """The compressor (of ``granularity``) over the variables with indices ``variables``."""
-        return GRANULARITIES[self.granularity](
-            [self.layouts[i] for i in variables], self.k, self.density, self.metric,
-            self.dense_below)
-
-    def _mask_sent(self, us: Sequence[tf.Tensor], idx: Sequence[int],
-                   sent_ids: Sequence[tf.Tensor] | None,
-                   residuals: Sequence[tf.Tensor] | None = None) -> list[tf.Tensor]:
-        return step.mask_sent(us, self._compressor(idx).layouts, sent_ids, residuals)
+        """The compressor of ``compression`` over the variables with indices ``variables``."""
+        return compressor_for(self.compression, [self.layouts[i] for i in variables])
 
     def _fusion_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
                        ) -> list[list[int]]:
@@ -300,17 +273,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         (one group if ``fusion_buffer_bytes`` is unset)."""
         if self.fusion_buffer_bytes is None:
             return [list(range(len(grads)))]
-        return [list(group.members) for group in self._plan(grads, idx).groups]
-
-    def _plan(self, tensors: Sequence[Any], idx: Sequence[int]) -> FusionPlan:
-        """Balanced plan of ``tensors`` (of variables ``idx``) in the derived backward order
-        when a model is known, else the reverse of their order."""
-        order = None
-        if self._backward_ranks is not None:
-            order = sorted(range(len(tensors)), key=lambda p: self._backward_ranks[idx[p]])
-        return plan_backward([codec.buffer_nbytes(t) for t in tensors],
-                             [tf.as_dtype(t.dtype).name for t in tensors],
-                             self.fusion_buffer_bytes, order=order)
+        plan = step.fusion_plan(grads, idx, self._backward_ranks, self.fusion_buffer_bytes)
+        return [list(group.members) for group in plan.groups]
 
     @property
     def fusion_plan(self) -> FusionPlan | None:
@@ -318,17 +282,8 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
         if self.fusion_buffer_bytes is None or not self.built:
             return None
         specs = [tf.TensorSpec(v.shape, v.dtype) for v in self._trainable_variables]
-        return self._plan(specs, range(len(specs)))
-
-    def _when_finite(self, finite: tf.Tensor, fn: Any) -> None:
-        step.when_finite(self.nonfinite, finite, fn)
-
-    def _record(self, result: exchange_lib.ExchangeResult) -> None:
-        step.record_stats(self._stats, result)
-
-    def _apply_inner(self, updates: Sequence[tf.Tensor], tvs: Sequence[Any],
-                     finite: tf.Tensor) -> None:
-        step.apply_inner(self.inner_optimizer, self.nonfinite, updates, tvs, finite)
+        return step.fusion_plan(specs, range(len(specs)), self._backward_ranks,
+                                self.fusion_buffer_bytes)
 
     # -- observability -------------------------------------------------------------------
     def block_sparse_metrics(self) -> dict[str, float]:
@@ -345,26 +300,20 @@ class BlockSparseOptimizer(keras.optimizers.Optimizer):
 
     # -- config --------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
+        policy = self.momentum_policy
         return {
             "name": self.name,
             "inner": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "k": self.k if self.density is None else None, "density": self.density,
-            "metric": self.metric, "exchange": self.exchange, "nonfinite": self.nonfinite,
-            "block_rules": dict(self.block_rules), "granularity": self.granularity,
-            "fusion_buffer_bytes": self.fusion_buffer_bytes,
+            "compression": self.compression.get_config(),
+            "momentum_correction": None if policy is None else policy.get_config(),
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
-            "momentum_correction": self.momentum_correction,
-            "dense_below": self.dense_below, "momentum_masking": self.momentum_masking,
+            "nonfinite": self.nonfinite, "fusion_buffer_bytes": self.fusion_buffer_bytes,
         }
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None
                     ) -> BlockSparseOptimizer:
-        config = dict(config)
-        # Files from before these defaults changed hold the behaviour they were saved with:
-        # no key means global momentum and every variable compressed.
-        config.setdefault("momentum_correction", None)
-        config.setdefault("dense_below", 0)
+        config = config_arguments(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner"),
                                                       custom_objects=custom_objects)
         return cls(inner, **config)

@@ -3,30 +3,110 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import blocks, selection
-from tf_blocksparse import clipping as clipping_lib
-from tf_blocksparse import exchange as exchange_lib
-from tf_blocksparse.feedback import (
+from tf_blocksparse.keras.momentum import MomentumCorrection
+from tf_blocksparse.options import (
     DEFAULT_DENSE_BELOW,
-    BlockTopK,
-    ElementTopK,
-    validate_dense_below,
-    validate_k_density,
+    NONFINITE,
+    OPTION_NAMES,
+    CompressionOptions,
+    check_choice,
+    option_view,
+    options_from,
 )
-from tf_blocksparse.keras.optimizer_step import MASKINGS
 
-NONFINITE = ("skip", "apply")
-#: Default of ``dense_below`` (see :data:`tf_blocksparse.feedback.DEFAULT_DENSE_BELOW`).
+#: Default of ``dense_below`` (see :data:`tf_blocksparse.options.DEFAULT_DENSE_BELOW`).
 DENSE_BELOW = DEFAULT_DENSE_BELOW
-#: Default of ``momentum_correction``: move an inner SGD's momentum before the exchange.
-AUTO = "auto"
-GRANULARITIES = {"block": BlockTopK, "element": ElementTopK}
+_UNSET = object()
+
+
+def check_inner(inner: Any) -> keras.optimizers.Optimizer:
+    """Checks the wrapped optimizer.
+
+    Raises:
+      TypeError: Not a Keras optimizer, or a ``LossScaleOptimizer`` (naming ``inner``).
+      ValueError: It accumulates gradients (``gradient_accumulation_steps``): the wrapper
+        exchanges every step, before the inner optimizer sees a gradient.
+    """
+    if not isinstance(inner, keras.optimizers.Optimizer):
+        raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        raise TypeError("`inner` must not be a LossScaleOptimizer: use "
+                        "LossScaleOptimizer(BlockSparseOptimizer(...)) instead")
+    steps = getattr(inner, "gradient_accumulation_steps", None)
+    if steps:
+        raise ValueError(f"the inner optimizer has gradient_accumulation_steps={steps}; "
+                         "BlockSparseOptimizer exchanges (and keeps residuals) every step, so "
+                         "`gradient_accumulation_steps` is not supported: use a larger batch")
+    return inner
+
+
+def check_step_arguments(nonfinite: Any, fusion_buffer_bytes: Any) -> None:
+    """Checks ``nonfinite`` and ``fusion_buffer_bytes``.
+
+    Raises:
+      ValueError: Naming the argument.
+    """
+    check_choice(nonfinite, NONFINITE, "nonfinite")
+    if fusion_buffer_bytes is not None and (
+            isinstance(fusion_buffer_bytes, bool) or not isinstance(fusion_buffer_bytes, int)
+            or fusion_buffer_bytes < 1):
+        raise ValueError(f"`fusion_buffer_bytes` must be an int >= 1, got "
+                         f"{fusion_buffer_bytes!r}")
+
+
+def config_arguments(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The constructor arguments of a ``BlockSparseOptimizer`` config (``inner`` still
+    serialized), from the composed layout or the flat one of files written before it."""
+    config = dict(config)
+    if "compression" not in config:
+        # The flat layout holds the options as keys, and the behaviour the file was saved
+        # with: no key means global momentum and every variable compressed.
+        config.setdefault("momentum_correction", None)
+        config.setdefault("dense_below", 0)
+    elif isinstance(config["compression"], Mapping):
+        config["compression"] = CompressionOptions.from_config(config["compression"])
+    if isinstance(config.get("momentum_correction"), Mapping):
+        config["momentum_correction"] = MomentumCorrection.from_config(
+            config["momentum_correction"])
+    return config
+
+
+def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
+                    momentum_correction: Any, kwargs: dict[str, Any]
+                    ) -> tuple[CompressionOptions, MomentumCorrection | None]:
+    """The compression options and the momentum policy of the wrapper's arguments.
+
+    ``kwargs`` may hold the arguments of :class:`CompressionOptions` (instead of
+    ``compression``) and ``momentum_masking`` (with a non-policy ``momentum_correction``).
+    ``"auto"`` is resolved last (it changes the inner optimizer), once every check passed.
+
+    Raises:
+      ValueError: Naming the argument: a bad option, ``learning_rate`` (it is the inner
+        optimizer's), or any other keyword.
+    """
+    if "learning_rate" in kwargs:
+        raise ValueError("`learning_rate` is the inner optimizer's: set it there, e.g. "
+                         "BlockSparseOptimizer(keras.optimizers.SGD(learning_rate=0.1))")
+    masking = kwargs.pop("momentum_masking", _UNSET)
+    other = sorted(set(kwargs) - set(OPTION_NAMES))
+    if other:
+        raise ValueError(f"BlockSparseOptimizer does not take {other}; set them on the inner "
+                         "optimizer")
+    options = options_from(compression, kwargs, "BlockSparseOptimizer")
+    if isinstance(momentum_correction, MomentumCorrection):
+        if masking is not _UNSET:
+            raise ValueError("give `momentum_masking` as MomentumCorrection(masking=...)")
+        policy = momentum_correction
+    else:
+        policy = MomentumCorrection.from_arguments(
+            momentum_correction, "all" if masking is _UNSET else masking)
+    return options, None if policy is None else policy.resolve(inner, options.sparse)
 
 
 def no_all_reduce(grads_and_vars: Any) -> list:
@@ -61,87 +141,45 @@ def densify(g: Any, v: Any) -> tf.Tensor:
     return tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
 
 
-def auto_momentum(inner: keras.optimizers.Optimizer, exchange: str) -> float | None:
-    """What ``momentum_correction="auto"`` becomes: the inner SGD's momentum, moved.
+class OptionsView:
+    """Flat read access to ``BlockSparseOptimizer``'s parts (``compression``,
+    ``momentum_policy``) under the names of its keyword arguments."""
 
-    With a sparse exchange and an inner ``SGD(momentum=m)`` (not Nesterov) the momentum is
-    kept per replica before the exchange (``m``) and the inner SGD's own is set to 0.  With
-    any other inner optimizer, Nesterov, or the dense exchange (where both forms are the
-    same math) nothing moves: ``None``.
-    """
-    m = float(getattr(inner, "momentum", 0.0) or 0.0)
-    if exchange == "dense" or not isinstance(inner, keras.optimizers.SGD) or m <= 0.0 \
-            or getattr(inner, "nesterov", False) or not m < 1.0:
-        return None
-    inner.momentum = 0.0  # read by SGD.build: no momentum slots, the wrapper keeps them
-    return m
+    compression: CompressionOptions
+    momentum_policy: MomentumCorrection | None
+    metric = option_view("metric")
+    exchange = option_view("exchange")
+    granularity = option_view("granularity")
+    dense_below = option_view("dense_below")
 
+    @property
+    def k(self) -> int | None:
+        """Blocks kept per variable (``None`` when ``density`` is set); assigning replaces
+        ``compression`` (the train function must be retraced, see ``DensityWarmup``)."""
+        return self.compression.k
 
-def check_momentum_correction(value: Any, inner: keras.optimizers.Optimizer
-                               ) -> float | None:
-    """Validates ``momentum_correction``; returns it as a float (``None``: off)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"`momentum_correction` must be 'auto', None or a float in [0, 1), "
-                         f"got {value!r}")
-    inner_momentum = float(getattr(inner, "momentum", 0.0) or 0.0)
-    if value and inner_momentum:
-        raise ValueError(f"`momentum_correction` keeps the momentum per replica before the "
-                         f"exchange, so the inner optimizer must have none; got inner "
-                         f"momentum={inner_momentum}")
-    return float(value)
+    @k.setter
+    def k(self, value: int | None) -> None:
+        self.compression = self.compression.replace(k=value)
 
+    @property
+    def density(self) -> float | None:
+        """Fraction of blocks kept (``None`` when ``k`` is set); assignable like ``k``."""
+        return self.compression.density
 
-def validate_arguments(inner: Any, k: Any, density: Any, metric: Any, exchange: Any,
-                       nonfinite: Any, block_rules: Any, granularity: Any,
-                       fusion_buffer_bytes: Any, clipping: Any, momentum_correction: Any,
-                       dense_below: Any, momentum_masking: Any, kwargs: dict[str, Any]
-                       ) -> tuple[Any, Any, list, float | None, int]:
-    """Checks ``BlockSparseOptimizer``'s arguments before anything is built.
+    @density.setter
+    def density(self, value: float | None) -> None:
+        self.compression = self.compression.replace(density=value)
 
-    Returns:
-      ``(k, density, clipping rules, momentum_correction, dense_below)`` normalised.
+    @property
+    def block_rules(self) -> dict[str, Any]:
+        return self.compression.rules
 
-    Raises:
-      TypeError / ValueError naming the argument.
-    """
-    if not isinstance(inner, keras.optimizers.Optimizer):
-        raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
-    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
-        raise TypeError("`inner` must not be a LossScaleOptimizer: use "
-                        "LossScaleOptimizer(BlockSparseOptimizer(...)) instead")
-    k, density = validate_k_density(k, density)
-    if metric not in selection.METRICS:
-        raise ValueError(f"`metric` must be one of {selection.METRICS}, got {metric!r}")
-    if exchange not in exchange_lib.EXCHANGES:
-        raise ValueError(f"`exchange` must be one of {exchange_lib.EXCHANGES}, "
-                         f"got {exchange!r}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"`granularity` must be one of {sorted(GRANULARITIES)}, "
-                         f"got {granularity!r}")
-    if fusion_buffer_bytes is not None and (
-            isinstance(fusion_buffer_bytes, bool) or not isinstance(fusion_buffer_bytes, int)
-            or fusion_buffer_bytes < 1):
-        raise ValueError(f"`fusion_buffer_bytes` must be an int >= 1, got "
-                         f"{fusion_buffer_bytes!r}")
-    if nonfinite not in NONFINITE:
-        raise ValueError(f"`nonfinite` must be one of {NONFINITE}, got {nonfinite!r}")
-    for rule in (block_rules or {}).values():
-        blocks._as_rule(rule, "block_rules")
-    rules = clipping_lib.as_rules(clipping)
-    auto = isinstance(momentum_correction, str) and momentum_correction == AUTO
-    if not auto:
-        momentum_correction = check_momentum_correction(momentum_correction, inner)
-    dense_below = validate_dense_below(dense_below)
-    if momentum_masking not in MASKINGS:
-        raise ValueError(f"`momentum_masking` must be one of {MASKINGS}, got "
-                         f"{momentum_masking!r}")
-    kwargs.pop("learning_rate", None)
-    if kwargs:
-        raise ValueError(f"BlockSparseOptimizer does not take {sorted(kwargs)}; set them "
-                         "on the inner optimizer")
-    if auto:  # last: it changes the inner optimizer, so only once every check passed
-        momentum_correction = auto_momentum(inner, exchange)
-    return k, density, rules, momentum_correction, dense_below
+    @property
+    def momentum_correction(self) -> float | None:
+        """The local momentum factor (``None``: no momentum correction)."""
+        return None if self.momentum_policy is None else self.momentum_policy.momentum
+
+    @property
+    def momentum_masking(self) -> str:
+        return "all" if self.momentum_policy is None else self.momentum_policy.masking

@@ -1,47 +1,34 @@
 """Pieces of ``BlockSparseOptimizer``'s step that need no optimizer state of their own:
-momentum masking, the finite-step guard, the statistics row and the inner optimizer's apply.
+the fusion plan and the exchange per fusion group, the finite-step guard, the statistics row
+and the inner optimizer's apply.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import selection
-from tf_blocksparse.blocks import BlockLayout
-from tf_blocksparse.exchange import ExchangeResult
+from tf_blocksparse import codec
+from tf_blocksparse.exchange import ExchangeResult, run_exchange
+from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.planning.fusion import plan_backward
+from tf_blocksparse.planning.fusion import FusionPlan
 
-MASKINGS = ("all", "waited", "none")
 
-
-def mask_sent(us: Sequence[tf.Tensor], layouts: Sequence[BlockLayout],
-              sent_ids: Sequence[tf.Tensor] | None,
-              residuals: Sequence[tf.Tensor] | None = None) -> list[tf.Tensor]:
-    """DGC factor masking of the local momenta.
-
-    Args:
-      us: Per variable the replica's momentum ``u`` [*shape].
-      layouts: Their block layouts.
-      sent_ids: Per variable the block ids [k_v] this replica sent (``None``: dense, all
-        sent; the momenta then carry on whole, which is momentum SGD).
-      residuals: Optional per-variable residuals [*shape] from *before* this step: only
-        sent blocks whose residual block was non-zero (they had waited) are zeroed.
-
-    Returns:
-      Per variable ``u`` with the masked blocks zeroed (the others bit-exact).
-    """
-    if sent_ids is None:
-        return list(us)
-    if residuals is None:
-        return [selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
-                for u, lay, ids in zip(us, layouts, sent_ids)]
-    return [selection.zero_blocks_where(
-                u, lay, selection.blocks_hit(ids, lay) &
-                (selection.block_scores(r, lay, "l1") > 0))
-            for u, lay, ids, r in zip(us, layouts, sent_ids, residuals)]
+def fusion_plan(tensors: Sequence[Any], idx: Sequence[int], ranks: Sequence[int] | None,
+                buffer_bytes: int) -> FusionPlan:
+    """Balanced plan of ``tensors`` (tensors or specs of the variables ``idx``) in the
+    backward order ``ranks`` (per variable index) when known, else the reverse of their
+    order."""
+    order = None
+    if ranks is not None:
+        order = sorted(range(len(tensors)), key=lambda p: ranks[idx[p]])
+    return plan_backward([codec.buffer_nbytes(t) for t in tensors],
+                         [tf.as_dtype(t.dtype).name for t in tensors], buffer_bytes,
+                         order=order)
 
 
 def when_finite(nonfinite: str, finite: tf.Tensor, fn: Any) -> None:
@@ -87,3 +74,51 @@ def apply_inner(inner: keras.optimizers.Optimizer, nonfinite: str,
 
     tf.distribute.get_replica_context().merge_call(
         cross_replica, args=(list(updates), finite))
+
+
+def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
+                         make_comp: Callable[[Sequence[int]], BlockTopK | None],
+                         grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor] | None,
+                         groups: Sequence[Sequence[int]], metric: str = "l1"
+                         ) -> ExchangeResult:
+    """One exchange per fusion group (its own packed buffers and collectives), combined.
+
+    Groups come in execution (backward) order, so a group's collectives depend only on its
+    own members' gradients and can start while earlier layers' backward still runs.
+
+    Args:
+      mode: One of :data:`EXCHANGES`.
+      ctx: The replica context.
+      make_comp: Builds the compressor for a group from its positions in ``grads``.
+      grads: Per variable local gradients [*shape].
+      state: Per variable residuals, or ``None`` for ``"dense"``.
+      groups: Positions in ``grads``; every position exactly once.
+      metric: ``"l1"`` or ``"l2"`` (to combine the residual norms).
+    """
+    n = len(grads)
+    updates: list[tf.Tensor | None] = [None] * n
+    residuals: list[tf.Tensor | None] = [None] * n
+    sent: list[tf.Tensor | None] = [None] * n
+    parts = []
+    for group in groups:
+        sub_state = None if state is None else [state[i] for i in group]
+        r = run_exchange(mode, ctx, make_comp(group), [grads[i] for i in group], sub_state)
+        parts.append(r)
+        for j, i in enumerate(group):
+            updates[i] = r.updates[j]
+            if r.residuals is not None:
+                residuals[i] = r.residuals[j]
+            if r.sent_ids is not None:
+                sent[i] = r.sent_ids[j]
+    if len(parts) == 1:
+        return parts[0]
+    if any(u is None for u in updates):
+        raise ValueError("`groups` must cover every gradient exactly once")
+    norms = [p.residual_norm for p in parts]
+    norm = tf.add_n(norms) if metric == "l1" else tf.sqrt(tf.add_n([x * x for x in norms]))
+    return ExchangeResult(
+        tuple(updates), None if state is None else tuple(residuals),
+        tf.reduce_all(tf.stack([p.finite for p in parts])),
+        sum(p.payload_bytes for p in parts), sum(p.dense_bytes for p in parts),
+        sum(p.blocks_kept for p in parts), norm,
+        None if state is None else tuple(sent))

@@ -1,4 +1,4 @@
-"""Per-layer profiles of Keras models by real runs (SPEC S3, step 1).
+"""Per-layer profiles of Keras models by real runs (the first step of planning).
 
 :func:`profile_model` runs the model once layer by layer on a real batch to collect every
 layer's input activations, then times, per layer and on those activations, two ``tf.function``\\ s:

@@ -1,0 +1,169 @@
+"""CompressionOptions and MomentumCorrection: validation, immutability, configs; the wrapper's
+and the CrossDeviceOps' bad input named at construction."""
+
+import dataclasses
+
+import keras
+import numpy as np
+import pytest
+
+import tf_blocksparse as tfbs
+from tf_blocksparse import options as opts
+
+
+def test_defaults_and_normalisation():
+    o = tfbs.CompressionOptions()
+    assert (o.k, o.density, o.metric, o.exchange, o.granularity, o.dense_below) == (
+        1, None, "l1", "allgather", "block", opts.DEFAULT_DENSE_BELOW)
+    assert o.block_rules == () and o.sparse
+    d = tfbs.CompressionOptions(density=1, dense_below=None, block_rules={"x": "single"})
+    assert (d.k, d.density, d.dense_below) == (None, 1.0, 0)
+    assert isinstance(d.density, float) and d.block_rules == (("x", "single"),)
+    assert d.rules == {"x": "single"}
+    assert not tfbs.CompressionOptions(exchange="dense").sparse
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"k": 0}, "`k`"), ({"k": 2.0}, "`k`"), ({"k": False}, "`k`"),
+    ({"density": 0}, "`density`"), ({"density": 1.01}, "`density`"),
+    ({"density": "0.5"}, "`density`"), ({"k": 2, "density": 0.5}, "`k` and `density`"),
+    ({"metric": "linf"}, "`metric`"), ({"metric": None}, "`metric`"),
+    ({"exchange": "ring"}, "`exchange`"), ({"granularity": "row"}, "`granularity`"),
+    ({"dense_below": -1}, "`dense_below`"), ({"dense_below": 1.5}, "`dense_below`"),
+    ({"block_rules": {"dense": "rows"}}, "block_rules"),
+    ({"block_rules": {"conv[": "single"}}, r"`block_rules`: pattern 'conv\['"),
+    ({"block_rules": "dense"}, "`block_rules`"),
+    ({"block_rules": {3: "single"}}, "`block_rules`"),
+])
+def test_bad_values_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        tfbs.CompressionOptions(**kwargs)
+
+
+def test_frozen_hashable_and_replace_checks_again():
+    o = tfbs.CompressionOptions(k=3, block_rules={"a": "single"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.k = 4
+    assert hash(o) == hash(tfbs.CompressionOptions(k=3, block_rules=[("a", "single")]))
+    assert o.replace(density=0.5).k is None and o.replace(density=0.5).density == 0.5
+    assert o.replace(k=2).k == 2 and o.k == 3  # a copy
+    assert o.replace(k=None).k == 1  # back to the default
+    with pytest.raises(ValueError, match="`metric`"):
+        o.replace(metric="max")
+
+
+@pytest.mark.parametrize("o", [
+    tfbs.CompressionOptions(),
+    tfbs.CompressionOptions(density=0.1, metric="l2", exchange="shared", granularity="element",
+                            dense_below=0, block_rules={"conv": "single", "dense": "row"}),
+])
+def test_config_round_trip(o):
+    config = o.get_config()
+    assert tfbs.CompressionOptions.from_config(config) == o
+    assert config["block_rules"] == o.rules and list(config["block_rules"]) == [
+        p for p, _ in o.block_rules]  # order kept: the first match wins
+
+
+def test_from_config_names_unknown_keys():
+    with pytest.raises(ValueError, match="ratio"):
+        tfbs.CompressionOptions.from_config({"k": 1, "ratio": 0.5})
+
+
+def test_momentum_policy():
+    p = tfbs.MomentumCorrection(0.9, masking="waited")
+    assert p.get_config() == {"momentum": 0.9, "masking": "waited"}
+    assert tfbs.MomentumCorrection.from_config(p.get_config()) == p and p.active
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.momentum = 0.5
+    assert not tfbs.MomentumCorrection(0.0).active
+    for bad, name in ((1.0, "`momentum`"), (float("nan"), "`momentum`"), ("0.9", "`momentum`"),
+                      (True, "`momentum`")):
+        with pytest.raises(ValueError, match=name):
+            tfbs.MomentumCorrection(bad)
+    with pytest.raises(ValueError, match="`masking`"):
+        tfbs.MomentumCorrection(0.9, masking="some")
+
+
+def test_auto_policy_resolves_against_the_inner_sgd():
+    inner = keras.optimizers.SGD(0.1, momentum=0.8)
+    opt = tfbs.BlockSparseOptimizer(inner, momentum_correction=tfbs.MomentumCorrection(
+        masking="none"))
+    assert opt.momentum_policy == tfbs.MomentumCorrection(0.8, masking="none")
+    assert inner.momentum == 0.0 and opt.momentum_masking == "none"
+
+
+# ---------------------------------------------------------------- the composed wrapper
+
+
+def test_options_object_equals_keywords():
+    o = tfbs.CompressionOptions(k=2, metric="l2", exchange="shared", dense_below=0,
+                                block_rules={"dense": "single"})
+    a = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, name="s"), o, name="w")
+    b = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, name="s"), k=2, metric="l2",
+                                  exchange="shared", dense_below=0,
+                                  block_rules={"dense": "single"}, name="w")
+    assert a.compression == b.compression == o
+    assert a.get_config() == b.get_config()
+    assert (a.k, a.density, a.metric, a.exchange, a.dense_below, a.block_rules) == (
+        2, None, "l2", "shared", 0, {"dense": "single"})
+    again = tfbs.BlockSparseOptimizer.from_config(a.get_config())
+    assert again.compression == o and again.get_config() == a.get_config()
+
+
+def test_k_and_density_assignment_replaces_the_options():
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=3)
+    first = opt.compression
+    opt.k, opt.density = None, 0.25
+    assert (opt.k, opt.density) == (None, 0.25) and first.k == 3
+    opt.k, opt.density = 2, None
+    assert (opt.k, opt.density) == (2, None)
+    with pytest.raises(ValueError, match="`density`"):
+        opt.density = 2.0
+    assert (opt.k, opt.density) == (2, None)  # a failed assignment changes nothing
+
+
+def test_compression_and_keywords_not_both():
+    with pytest.raises(ValueError, match="not both"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), tfbs.CompressionOptions(), k=2)
+    with pytest.raises(TypeError, match="`compression`"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), 3)
+    with pytest.raises(ValueError, match="momentum_masking"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1),
+                                  momentum_correction=tfbs.MomentumCorrection(0.5),
+                                  momentum_masking="none")
+
+
+def test_learning_rate_on_the_wrapper_is_an_error():
+    inner = keras.optimizers.SGD(0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="`learning_rate` is the inner optimizer's"):
+        tfbs.BlockSparseOptimizer(inner, learning_rate=0.5)
+    assert inner.momentum == 0.9  # untouched
+    assert float(np.asarray(inner.learning_rate)) == pytest.approx(0.1)
+
+
+def test_invalid_block_rules_regex_fails_at_construction():
+    with pytest.raises(ValueError, match=r"`block_rules`: pattern 'dense\(' is not a valid"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), block_rules={"dense(": "single"})
+    with pytest.raises(ValueError, match=r"`block_rules`: pattern '\*conv'"):
+        tfbs.BlockSparseCrossDeviceOps(block_rules={"*conv": "single"})
+
+
+def test_gradient_accumulation_in_the_inner_optimizer_is_an_error(mirrored2):
+    with mirrored2.scope():
+        inner = keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
+        with pytest.raises(ValueError, match="`gradient_accumulation_steps`"):
+            tfbs.BlockSparseOptimizer(inner)
+    assert inner.momentum == 0.9
+
+
+def test_cross_device_ops_take_the_options_object():
+    o = tfbs.CompressionOptions(density=0.5, exchange="shared", dense_below=0)
+    ops = tfbs.BlockSparseCrossDeviceOps(o)
+    assert ops.options == o and (ops.k, ops.density, ops.exchange, ops.dense_below) == (
+        None, 0.5, "shared", 0)
+    assert tfbs.BlockSparseCrossDeviceOps(density=0.5, exchange="shared",
+                                          dense_below=0).options == o
+    with pytest.raises(ValueError, match="`exchange`"):
+        tfbs.BlockSparseCrossDeviceOps(tfbs.CompressionOptions(exchange="dense"))
+    with pytest.raises(ValueError, match="nonfinite"):
+        tfbs.BlockSparseCrossDeviceOps(nonfinite="skip")

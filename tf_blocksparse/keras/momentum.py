@@ -1,0 +1,158 @@
+"""``MomentumCorrection``: where the momentum of a block-sparse step lives (a policy object).
+
+With aggressive sparsification, an inner ``SGD(momentum=m)`` applied to the exchanged update
+(*global momentum*) releases residuals late into a running velocity and can oscillate or
+collapse.  DGC's momentum correction (Lin et al., ICLR 2018) keeps the momentum *per replica
+before* the exchange instead: ``u = m u + grad`` goes through error feedback and selection in
+place of ``grad``, and the blocks a replica sent are zeroed in its ``u`` too (factor masking).
+With a dense exchange the two are the same math.
+
+Maskings (which sent blocks are zeroed in the local momentum):
+
+``"all"``
+    DGC's factor masking (default): every sent block.
+``"none"``
+    The momentum stays whole: every block receives momentum SGD's total update, only later
+    (a block sent every step trains as plain momentum SGD, whereas ``"all"`` takes its
+    momentum away).
+``"waited"``
+    Only blocks that had waited (a non-zero residual before this step), so blocks sent step
+    after step keep their momentum and a block released after a wait does not carry its
+    burst on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_blocksparse import selection
+from tf_blocksparse.blocks import BlockLayout
+from tf_blocksparse.options import AUTO, MASKINGS, check_choice
+
+__all__ = ["MomentumCorrection", "mask_sent"]
+
+
+def _check_momentum(value: Any, argument: str) -> float | str:
+    if isinstance(value, str) and value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or math.isnan(value) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"`{argument}` must be 'auto', None or a float in [0, 1), "
+                         f"got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MomentumCorrection:
+    """Momentum kept per replica before the exchange, with masking of what was sent.
+
+    Args:
+      momentum: The factor ``m`` in [0, 1), or ``"auto"``: the inner ``SGD``'s momentum,
+        moved (see :meth:`resolve`).
+      masking: ``"all"``, ``"waited"`` or ``"none"`` (module docstring).
+
+    Raises:
+      ValueError: A bad value, naming the argument.
+    """
+
+    momentum: float | str = AUTO
+    masking: str = "all"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "momentum", _check_momentum(self.momentum, "momentum"))
+        check_choice(self.masking, MASKINGS, "masking")
+
+    @classmethod
+    def from_arguments(cls, momentum_correction: Any, momentum_masking: Any = "all"
+                       ) -> MomentumCorrection | None:
+        """The policy of the optimizer's ``momentum_correction`` / ``momentum_masking``
+        keywords (``None``: no local momentum); errors name those keywords."""
+        check_choice(momentum_masking, MASKINGS, "momentum_masking")
+        if momentum_correction is None:
+            return None
+        return cls(_check_momentum(momentum_correction, "momentum_correction"),
+                   momentum_masking)
+
+    @property
+    def active(self) -> bool:
+        """Whether a local momentum is kept (``momentum > 0``, once resolved)."""
+        return self.momentum != AUTO and self.momentum > 0.0
+
+    def resolve(self, inner: keras.optimizers.Optimizer, sparse: bool
+                ) -> MomentumCorrection | None:
+        """The policy for ``inner``; ``"auto"`` becomes a factor or ``None``.
+
+        ``"auto"``: with a sparse exchange and an inner ``SGD(momentum=m)`` (not Nesterov),
+        ``m`` is moved before the exchange and the inner SGD's momentum set to 0 (so call
+        this last, once every other check passed); with any other inner optimizer,
+        Nesterov, or the dense exchange (where both forms are the same math): ``None``.
+
+        Raises:
+          ValueError: A factor > 0 while the inner optimizer has a momentum of its own.
+        """
+        inner_m = float(getattr(inner, "momentum", 0.0) or 0.0)
+        if self.momentum != AUTO:
+            if self.momentum and inner_m:
+                raise ValueError(f"`momentum_correction` keeps the momentum per replica "
+                                 f"before the exchange, so the inner optimizer must have "
+                                 f"none; got inner momentum={inner_m}")
+            return self
+        if not sparse or not isinstance(inner, keras.optimizers.SGD) or inner_m <= 0.0 \
+                or getattr(inner, "nesterov", False) or not inner_m < 1.0:
+            return None
+        inner.momentum = 0.0  # read by SGD.build: no momentum slots, the wrapper keeps them
+        return dataclasses.replace(self, momentum=inner_m)
+
+    def accumulate(self, velocities: Sequence[tf.Tensor], grads: Sequence[tf.Tensor]
+                   ) -> list[tf.Tensor]:
+        """``u = m u + grad`` per variable [*shape]: what goes into the exchange."""
+        return [tf.cast(self.momentum, g.dtype) * u + g for u, g in zip(velocities, grads)]
+
+    def mask(self, us: Sequence[tf.Tensor], layouts: Sequence[BlockLayout],
+             sent_ids: Sequence[tf.Tensor] | None, residuals: Sequence[tf.Tensor] | None
+             ) -> list[tf.Tensor]:
+        """The new local momenta after the exchange (``residuals``: from before it)."""
+        if self.masking == "none":
+            return list(us)
+        return mask_sent(us, layouts, sent_ids,
+                         residuals if self.masking == "waited" else None)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"momentum": self.momentum, "masking": self.masking}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> MomentumCorrection:
+        return cls(**config)
+
+
+def mask_sent(us: Sequence[tf.Tensor], layouts: Sequence[BlockLayout],
+              sent_ids: Sequence[tf.Tensor] | None,
+              residuals: Sequence[tf.Tensor] | None = None) -> list[tf.Tensor]:
+    """DGC factor masking of the local momenta.
+
+    Args:
+      us: Per variable the replica's momentum ``u`` [*shape].
+      layouts: Their block layouts.
+      sent_ids: Per variable the block ids [k_v] this replica sent (``None``: dense, all
+        sent; the momenta then carry on whole, which is momentum SGD).
+      residuals: Optional per-variable residuals [*shape] from *before* this step: only
+        sent blocks whose residual block was non-zero (they had waited) are zeroed.
+
+    Returns:
+      Per variable ``u`` with the masked blocks zeroed (the others bit-exact).
+    """
+    if sent_ids is None:
+        return list(us)
+    if residuals is None:
+        return [selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
+                for u, lay, ids in zip(us, layouts, sent_ids)]
+    return [selection.zero_blocks_where(
+                u, lay, selection.blocks_hit(ids, lay) &
+                (selection.block_scores(r, lay, "l1") > 0))
+            for u, lay, ids, r in zip(us, layouts, sent_ids, residuals)]

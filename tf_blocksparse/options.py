@@ -1,0 +1,243 @@
+"""The one validated, frozen options object of the block-sparse exchange, and its constants.
+
+:class:`CompressionOptions` says *what* is exchanged (how many blocks, scored how, with
+which collectives, which variables go whole, how variables split into blocks).  The Keras
+optimizer wrapper, :class:`~tf_blocksparse.distribute.cross_device_ops.BlockSparseCrossDeviceOps`
+and the hybrid trainer's group sync all take one, checked once at construction; a bad value
+raises a ``ValueError`` naming the argument.  Like ``tf.distribute``'s
+``collective_util.Options`` it is immutable: :meth:`CompressionOptions.replace` returns a
+checked copy.
+
+Every mode string of the project lives here (the exchanges, metrics, granularities,
+non-finite policies and momentum maskings).  This module is pure Python (no TensorFlow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tf_blocksparse import blocks
+
+#: Exchanges: every replica its own top-k blocks, blocks agreed from summed scores, or a
+#: plain dense all-reduce (see :mod:`tf_blocksparse.exchange`).
+EXCHANGES = ("allgather", "shared", "dense")
+SPARSE_EXCHANGES = ("allgather", "shared")
+#: Block scores: L1 or L2 norm.
+METRICS = ("l1", "l2")
+#: ``"block"`` top-k, or ``"element"``-wise top-k (the DGC / GRACE baseline).
+GRANULARITIES = ("block", "element")
+#: What the optimizer wrapper does with a step whose gradients hold an inf or NaN.
+NONFINITE = ("skip", "apply")
+#: Which sent blocks momentum correction zeroes in the local momentum.
+MASKINGS = ("all", "waited", "none")
+#: ``momentum_correction="auto"``: move an inner ``SGD``'s momentum before the exchange.
+AUTO = "auto"
+#: Default ``dense_below`` of the optimizer wrapper and the CrossDeviceOps: variables with
+#: fewer elements (biases, normalisation vectors, first convolutions, small heads) are sent
+#: whole every step.  The core compressors themselves default to 0 (compress everything).
+DEFAULT_DENSE_BELOW = 1024
+
+
+def check_choice(value: Any, choices: Sequence[str], argument: str) -> str:
+    """Returns ``value`` if it is one of ``choices``.
+
+    Raises:
+      ValueError: Naming ``argument``.
+    """
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"`{argument}` must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def validate_k_density(k: int | None, density: float | None) -> tuple[int | None, float | None]:
+    """Checks the selection-size arguments; returns ``(k, density)`` with k=1 as default.
+
+    Raises:
+      ValueError: Both given, ``k < 1`` or not an int, or ``density`` outside (0, 1].
+    """
+    if k is not None and density is not None:
+        raise ValueError(f"give exactly one of `k` and `density`, got k={k!r}, "
+                         f"density={density!r}")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"`k` must be an int >= 1, got {k!r}")
+        return k, None
+    if density is not None:
+        if isinstance(density, bool) or not isinstance(density, (int, float)) \
+                or not 0.0 < float(density) <= 1.0:
+            raise ValueError(f"`density` must be a float in (0, 1], got {density!r}")
+        return None, float(density)
+    return 1, None
+
+
+def validate_dense_below(dense_below: int | None) -> int:
+    """Checks the small-variable threshold (elements); ``None`` means 0 (compress all).
+
+    Raises:
+      ValueError: Not an int >= 0.
+    """
+    if dense_below is None:
+        return 0
+    if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
+        raise ValueError(f"`dense_below` must be an int >= 0 (elements), got {dense_below!r}")
+    return dense_below
+
+
+def validate_block_rules(rules: Any) -> tuple[tuple[str, str | blocks.BlockRule], ...]:
+    """Checks ``{path regex: rule or rule name}`` overrides; returns them as ordered pairs.
+
+    Every pattern is compiled here, so a bad regex fails at construction, not in a step.
+
+    Raises:
+      ValueError: Not a mapping (or pairs), a pattern that is not a valid regex, or an
+        unknown rule name; the message names ``block_rules`` and the pattern.
+    """
+    if rules is None:
+        return ()
+    if isinstance(rules, Mapping):
+        pairs = list(rules.items())
+    elif isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence) or not all(
+            isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2 for p in rules):
+        raise ValueError(f"`block_rules` must be a mapping {{path regex: rule name}}, "
+                         f"got {rules!r}")
+    else:
+        pairs = [tuple(p) for p in rules]
+    out = []
+    for pattern, rule in pairs:
+        if not isinstance(pattern, str):
+            raise ValueError(f"`block_rules`: pattern {pattern!r} must be a string")
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"`block_rules`: pattern {pattern!r} is not a valid regular "
+                             f"expression ({err})") from err
+        blocks._as_rule(rule, f"`block_rules`[{pattern!r}]")
+        out.append((pattern, rule))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionOptions:
+    """What the block-sparse exchange sends; validated on construction, immutable.
+
+    Args:
+      k: Blocks kept per variable and replica each step (int >= 1); default 1 when
+        ``density`` is unset.
+      density: Alternatively, a fraction in (0, 1]: ``ceil(density * num_blocks)`` blocks.
+      metric: Block score, ``"l1"`` or ``"l2"``.
+      exchange: ``"allgather"`` (each replica its own top-k), ``"shared"`` (top-k of the
+        scores summed over replicas) or ``"dense"`` (plain all-reduce, nothing selected).
+      granularity: ``"block"``, or ``"element"`` for element-wise top-k (use ``density``).
+      dense_below: Variables with fewer elements are sent whole every step (a dense sum, no
+        residual); ``None`` or 0 compresses every variable.
+      block_rules: ``{path regex: rule name}`` overriding the block-rule table (first match
+        wins); stored as ordered ``(pattern, rule)`` pairs.
+
+    Raises:
+      ValueError: A bad value; the message names the argument.
+    """
+
+    k: int | None = None
+    density: float | None = None
+    metric: str = "l1"
+    exchange: str = "allgather"
+    granularity: str = "block"
+    dense_below: int = DEFAULT_DENSE_BELOW
+    block_rules: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        k, density = validate_k_density(self.k, self.density)
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "density", density)
+        check_choice(self.metric, METRICS, "metric")
+        check_choice(self.exchange, EXCHANGES, "exchange")
+        check_choice(self.granularity, GRANULARITIES, "granularity")
+        object.__setattr__(self, "dense_below", validate_dense_below(self.dense_below))
+        object.__setattr__(self, "block_rules", validate_block_rules(self.block_rules))
+
+    @property
+    def sparse(self) -> bool:
+        """Whether blocks are selected (``exchange`` is not ``"dense"``)."""
+        return self.exchange != "dense"
+
+    @property
+    def rules(self) -> dict[str, Any]:
+        """``block_rules`` as the ``{regex: rule}`` mapping the block-rule table takes."""
+        return dict(self.block_rules)
+
+    def replace(self, **changes: Any) -> CompressionOptions:
+        """A checked copy with ``changes`` applied (``k``/``density``: the one given wins)."""
+        if "k" in changes and "density" not in changes and changes["k"] is not None:
+            changes["density"] = None
+        if "density" in changes and "k" not in changes and changes["density"] is not None:
+            changes["k"] = None
+        return dataclasses.replace(self, **changes)
+
+    def get_config(self) -> dict[str, Any]:
+        """JSON-friendly constructor arguments (``block_rules`` as a dict)."""
+        return {"k": self.k, "density": self.density,
+                "metric": self.metric, "exchange": self.exchange,
+                "granularity": self.granularity, "dense_below": self.dense_below,
+                "block_rules": self.rules}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> CompressionOptions:
+        """Inverse of :meth:`get_config`.
+
+        Raises:
+          ValueError: Unknown keys (named) or bad values.
+        """
+        unknown = set(config) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"CompressionOptions does not take {sorted(unknown)}")
+        return cls(**config)
+
+
+#: The names :class:`CompressionOptions` takes as constructor arguments.
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(CompressionOptions))
+
+
+def as_options(options: Any, argument: str = "compression") -> CompressionOptions:
+    """``options`` as :class:`CompressionOptions` (a mapping of its arguments works too).
+
+    Raises:
+      TypeError: Neither; names ``argument``.
+    """
+    if isinstance(options, CompressionOptions):
+        return options
+    if isinstance(options, Mapping):
+        return CompressionOptions.from_config(options)
+    raise TypeError(f"`{argument}` must be a tfbs.CompressionOptions, got {options!r}")
+
+
+def option_view(name: str, attribute: str = "compression") -> property:
+    """A read-only property exposing option ``name`` of the owner's ``attribute`` (a
+    :class:`CompressionOptions`) under the name of its keyword argument."""
+    return property(lambda self: getattr(getattr(self, attribute), name),
+                    doc=f"``{attribute}.{name}`` (see ``CompressionOptions``).")
+
+
+def options_from(compression: Any, keywords: Mapping[str, Any], owner: str
+                 ) -> CompressionOptions:
+    """The options of a constructor that takes ``compression`` or its arguments as keywords.
+
+    Args:
+      compression: ``None``, a :class:`CompressionOptions` or a mapping of its arguments.
+      keywords: The constructor's remaining keyword arguments.
+      owner: The constructor's name, for errors.
+
+    Raises:
+      ValueError: A keyword that is not an option, both forms given, or a bad value.
+      TypeError: ``compression`` of the wrong type.
+    """
+    unknown = sorted(set(keywords) - set(OPTION_NAMES))
+    if unknown:
+        raise ValueError(f"{owner} does not take {unknown}")
+    if compression is None:
+        return CompressionOptions(**keywords)
+    if keywords:
+        raise ValueError(f"give either `compression` or {sorted(keywords)}, not both")
+    return as_options(compression)
