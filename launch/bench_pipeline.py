@@ -1,4 +1,4 @@
-"""Pipeline training (SPEC S3): host run of a planned pipeline, and simulated large-model plans.
+"""Pipeline training: host run of a planned pipeline, and simulated large-model plans.
 
 Prints one JSON object with:
 
@@ -28,8 +28,8 @@ Prints one JSON object with:
     Seconds of each planner on a random ``--plan_layers``-layer profile and ``--plan_devices``
     heterogeneous devices.
 
-    python launch/bench_pipeline.py [--logical_devices=2] [--big_models=resnet50,vgg16]
-    python launch/bench_pipeline.py --big_models= --steps=3   # host part only, quick
+    python -m launch.bench_pipeline [--logical_devices=2] [--big_models=resnet50,vgg16]
+    python -m launch.bench_pipeline --big_models= --steps=3   # host part only, quick
 """
 
 from __future__ import annotations
@@ -37,22 +37,20 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import flags
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from models.registry import build_model  # noqa: E402
-from tf_blocksparse.distribute.pipeline import PipelineTrainer  # noqa: E402
-from tf_blocksparse.keras.profiler import profile_model  # noqa: E402
-from tf_blocksparse.planning import (  # noqa: E402
+from launch import runtime, script
+from models.registry import build_model
+from tf_blocksparse.distribute.pipeline import PipelineTrainer
+from tf_blocksparse.keras.profiler import profile_model
+from tf_blocksparse.planning import (
     ModelProfile,
     PipelinePlan,
     Topology,
@@ -96,29 +94,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("plan_devices", 16, "Devices of the planning-time topology.")
 
 
-def ensure_logical_cpus(count: int) -> None:
-    """Splits the physical CPU into ``count`` logical devices (before TF initialises)."""
-    if tf.config.list_physical_devices("GPU"):
-        return
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-    except RuntimeError as err:
-        if len(tf.config.list_logical_devices("CPU")) < count:
-            raise RuntimeError(f"need {count} logical CPUs before TF initialises") from err
-
-
 def _median(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        tf.test.experimental.sync_devices()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return runtime.median_seconds(fn, repeats, warmup, sync=tf.test.experimental.sync_devices)
 
 
 def measure_bandwidth(devices: list[str], mib: float) -> dict:
@@ -267,7 +244,7 @@ def run(**kw: Any) -> dict:
 def main(argv: list[str]) -> None:
     """Prints :func:`run`'s record for the flags as one JSON object."""
     del argv
-    ensure_logical_cpus(FLAGS.logical_devices)
+    runtime.logical_cpus(FLAGS.logical_devices, skip_on_gpu=True)
     names = ("model", "image_size", "batch", "micro_batches", "warmup_steps", "steps",
              "profile_warmup", "profile_repeats", "bandwidth_mib", "big_image_size",
              "big_batch", "big_repeats", "sim_devices", "base_bandwidth", "spread",
@@ -278,5 +255,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)
