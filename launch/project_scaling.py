@@ -97,19 +97,6 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     return runtime.median_seconds(fn, max(1, repeats), warmup=1)
 
 
-def build_model(name: str, image_size: int) -> keras.Model:
-    """Registry network ``name`` (1000 classes, random weights) at ``image_size``.
-
-    Raises:
-        ValueError: An unknown ``name`` or ``image_size < 32``.
-    """
-    if name not in BUILDERS:
-        raise ValueError(f"models must be among {sorted(BUILDERS)}, got {name!r}")
-    if image_size < 32:
-        raise ValueError(f"image_size must be >= 32, got {image_size}")
-    return registry.build_image_model(name, image_size, 1000)
-
-
 def variable_bytes(model: keras.Model) -> list[int]:
     """Gradient bytes per trainable variable (the dense exchange's tensors)."""
     return [codec.dense_nbytes(v.shape, v.dtype) for v in model.trainable_variables]
@@ -186,7 +173,7 @@ def measure(name: str, image_size: int, cpu_batch: int, repeats: int,
             selections: Sequence[tuple[int | None, float | None]]) -> dict[str, Any]:
     """Every measured input of one model."""
     keras.backend.clear_session()
-    model = build_model(name, image_size)
+    model = registry.build_image_model(name, image_size, 1000)
     sizes = variable_bytes(model)
     t0 = time.perf_counter()
     compute = measure_compute(model, cpu_batch, repeats)
@@ -235,6 +222,8 @@ def run(models: Sequence[str] = ("resnet50", "vgg16"),
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
     if alpha_s < 0:
         raise ValueError(f"alpha_s must be >= 0, got {alpha_s}")
+    if image_size < 32:
+        raise ValueError(f"image_size must be >= 32, got {image_size}")
     if cpu_batch < 1 or repeats < 1:
         raise ValueError(f"cpu_batch and repeats must be >= 1, got {cpu_batch}, {repeats}")
     if gpu_mem_gbps <= 0:
@@ -259,7 +248,7 @@ def run(models: Sequence[str] = ("resnet50", "vgg16"),
         for name in HOROVOD:
             if name not in sizes:
                 keras.backend.clear_session()
-                sizes[name] = sum(variable_bytes(build_model(name, 224)))
+                sizes[name] = sum(variable_bytes(registry.build_image_model(name, 224)))
         sanity = sanity_check(sizes, alpha_s, overlap, gpu)
 
     result: dict[str, Any] = {
