@@ -84,7 +84,7 @@ class WorkerProcess:
             raise
         self.reaped_rc: int | None = None
         self._thread = threading.Thread(
-            target=self._pump, name=f"local_cluster-worker-{index}", daemon=True)
+            target=self._pump, name=f"worker-process-{index}", daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
