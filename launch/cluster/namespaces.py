@@ -1,4 +1,5 @@
-"""Network namespaces of the shaped local cluster: tools, privileges, subnets, clean-up.
+"""Network namespaces of the shaped local cluster: tools, privileges, subnets, clean-up,
+and the checks of its rates.
 
 The helpers under :class:`launch.cluster.netem.NetworkCluster`: finding ``ip`` / ``tc``
 (root only), running them, listing and deleting the cluster's namespaces (killing what still
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import itertools
+import math
 import os
 import re
 import shutil
@@ -188,3 +190,43 @@ def netem_supported() -> bool:
         return proc.returncode == 0
     finally:
         delete_namespace(ip, ns)
+
+
+def check_number(name: str, value: float | None, allow_zero: bool) -> float | None:
+    """``value`` as a finite float > 0 (>= 0 with ``allow_zero``); ``None`` stays ``None``.
+
+    Raises:
+        ValueError: Naming ``name``, for anything else.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0 or (value == 0.0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, "
+                         f"got {value!r}")
+    return value
+
+
+def check_pairs(pair_mbit: Sequence[Sequence[float]] | None,
+                 num_workers: int) -> tuple[tuple[float, ...], ...] | None:
+    """Validates a per-pair rate matrix (diagonal ignored, stored as 0)."""
+    if pair_mbit is None:
+        return None
+    try:
+        rows = [list(r) for r in pair_mbit]
+    except TypeError:
+        raise ValueError("pair_mbit must be a square matrix (list of lists) of Mbit/s") \
+            from None
+    k = len(rows)
+    if not 2 <= k <= num_workers or any(len(r) != k for r in rows):
+        raise ValueError(f"pair_mbit must be a k x k matrix with 2 <= k <= num_workers="
+                         f"{num_workers}, got row lengths {[len(r) for r in rows]}")
+    out = []
+    for i, row in enumerate(rows):
+        vals = []
+        for j, v in enumerate(row):
+            vals.append(0.0 if i == j else check_number(f"pair_mbit[{i}][{j}]", v, False))
+        out.append(tuple(vals))
+    return tuple(out)

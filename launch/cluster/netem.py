@@ -48,7 +48,6 @@ import atexit
 import contextlib
 import ipaddress
 import json
-import math
 import os
 import signal
 import subprocess
@@ -62,6 +61,8 @@ from launch.cluster.namespaces import (
     SEQUENCE,
     NetemError,
     NetemUnavailableError,
+    check_number,
+    check_pairs,
     cleanup_stale,
     delete_namespace,
     netem_supported,
@@ -72,41 +73,6 @@ from launch.cluster.namespaces import (
 
 __all__ = ["NetemError", "NetemUnavailableError", "NetworkCluster", "cleanup_stale",
            "netem_supported", "pick_subnet", "require_privileges"]
-
-
-def _check_positive(name: str, value: float | None, allow_zero: bool) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0.0 or (value == 0.0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, "
-                         f"got {value!r}")
-    return value
-
-
-def _check_pairs(pair_mbit: Sequence[Sequence[float]] | None,
-                 num_workers: int) -> tuple[tuple[float, ...], ...] | None:
-    """Validates a per-pair rate matrix (diagonal ignored, stored as 0)."""
-    if pair_mbit is None:
-        return None
-    try:
-        rows = [list(r) for r in pair_mbit]
-    except TypeError:
-        raise ValueError("pair_mbit must be a square matrix (list of lists) of Mbit/s") \
-            from None
-    k = len(rows)
-    if not 2 <= k <= num_workers or any(len(r) != k for r in rows):
-        raise ValueError(f"pair_mbit must be a k x k matrix with 2 <= k <= num_workers="
-                         f"{num_workers}, got row lengths {[len(r) for r in rows]}")
-    out = []
-    for i, row in enumerate(rows):
-        vals = []
-        for j, v in enumerate(row):
-            vals.append(0.0 if i == j else _check_positive(f"pair_mbit[{i}][{j}]", v, False))
-        out.append(tuple(vals))
-    return tuple(out)
 
 
 class NetworkCluster:
@@ -149,9 +115,9 @@ class NetworkCluster:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
         self.num_workers = num_workers
-        self.bandwidth_mbit = _check_positive("bandwidth_mbit", bandwidth_mbit, False)
-        self.latency_ms = _check_positive("latency_ms", latency_ms, True) or 0.0
-        self.pair_mbit = _check_pairs(pair_mbit, num_workers)
+        self.bandwidth_mbit = check_number("bandwidth_mbit", bandwidth_mbit, False)
+        self.latency_ms = check_number("latency_ms", latency_ms, True) or 0.0
+        self.pair_mbit = check_pairs(pair_mbit, num_workers)
         if self.pair_mbit is not None and self.bandwidth_mbit is not None:
             raise ValueError("pass either bandwidth_mbit (one rate per worker link) or "
                              "pair_mbit (one rate per pair of workers), not both")

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from launch.cluster.namespaces import NetemError
-from launch.cluster.netem import NetworkCluster, _check_positive
+from launch.cluster.namespaces import NetemError, check_number
+from launch.cluster.netem import NetworkCluster
 
 _RECEIVER = r"""
 import json, socket, sys, time
@@ -141,8 +141,8 @@ def measure_link(net: NetworkCluster, src: int = 0, dst: int = 1, seconds: float
         ValueError: ``src == dst``, an index out of range, or a bad duration.
         NetemError: A measurement process failed.
     """
-    _check_positive("seconds", seconds, False)
-    _check_positive("warmup_s", warmup_s, True)
+    check_number("seconds", seconds, False)
+    check_number("warmup_s", warmup_s, True)
     total = seconds + warmup_s
     out, _ = _pair(net, src, dst, _RECEIVER, [str(seconds), str(warmup_s)], _SENDER,
                    [str(total + 10.0)], timeout_s=total + 40.0)
