@@ -7,7 +7,7 @@ import json
 import pytest
 import tensorflow as tf
 
-from launch import bench_fusion, fusion_plans
+from launch import bench_fusion, fusion_plans, fusion_step
 from tf_blocksparse.planning import TensorSpec, plan_balanced
 
 PLAN_METHODS = {"balanced", "tf_group_by_size", "ddp", "horovod_greedy"}
@@ -102,7 +102,7 @@ def test_simulation_schema(record: dict) -> None:
 def test_step_time_schema(record: dict) -> None:
     step = record["step_time"]
     assert step["replicas"] == 2
-    assert set(step["methods"]) == {*bench_fusion.STEP_METHODS, "fused_cross_device_ops"}
+    assert set(step["methods"]) == {*fusion_step.STEP_METHODS, "fused_cross_device_ops"}
     for row in step["methods"].values():
         assert row["median_ms"] > 0 and row["ratio_vs_tf_default"] > 0
         assert len(row["times_ms"]) == REPEATS and all(t > 0 for t in row["times_ms"])
