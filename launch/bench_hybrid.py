@@ -62,6 +62,7 @@ def define_flags() -> None:
     flags.DEFINE_float("link_bandwidth", 12.5, "GB/s node-to-node (cost model).",
                        lower_bound=1e-9)
     flags.DEFINE_float("density", 0.01, "Block density of the block-sparse run.")
+    flags.register_validator("density", lambda d: 0.0 < d <= 1.0, "--density must be in (0, 1]")
     flags.DEFINE_integer("warmup_steps", 2, "Untimed steps per configuration.", lower_bound=1)
     flags.DEFINE_integer("steps", 8, "Timed steps per configuration (median).", lower_bound=1)
     flags.DEFINE_integer("profile_repeats", 3, "Timed calls per profiled layer function.",

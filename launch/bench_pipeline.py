@@ -71,27 +71,38 @@ PLANNERS: dict[str, Callable[[ModelProfile, Topology], PipelinePlan]] = {
 
 def define_flags() -> None:
     """Defines the script's flags (only called when run as a script)."""
-    flags.DEFINE_integer("logical_devices", 2, "Logical CPUs to configure (CPU hosts).")
+    flags.DEFINE_integer("logical_devices", 2, "Logical CPUs to configure (CPU hosts).",
+                         lower_bound=1)
     flags.DEFINE_string("model", "cnn_small", "Registry model of the host run (a chain).")
-    flags.DEFINE_integer("image_size", 32, "Input height/width of the host model.")
-    flags.DEFINE_integer("batch", 32, "Mini-batch size of the host run.")
-    flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch.")
-    flags.DEFINE_integer("warmup_steps", 2, "Untimed pipeline steps.")
-    flags.DEFINE_integer("steps", 10, "Timed pipeline steps (median).")
-    flags.DEFINE_integer("profile_warmup", 2, "Untimed calls per profiled layer function.")
-    flags.DEFINE_integer("profile_repeats", 5, "Timed calls per profiled layer function.")
+    flags.DEFINE_integer("image_size", 32, "Input height/width of the host model.", lower_bound=1)
+    flags.DEFINE_integer("batch", 32, "Mini-batch size of the host run.", lower_bound=1)
+    flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch.", lower_bound=1)
+    flags.DEFINE_integer("warmup_steps", 2, "Untimed pipeline steps.", lower_bound=0)
+    flags.DEFINE_integer("steps", 10, "Timed pipeline steps (median).", lower_bound=1)
+    flags.DEFINE_integer("profile_warmup", 2, "Untimed calls per profiled layer function.",
+                         lower_bound=0)
+    flags.DEFINE_integer("profile_repeats", 5, "Timed calls per profiled layer function.",
+                         lower_bound=1)
     flags.DEFINE_float("bandwidth_mib", 64.0, "Tensor size of the bandwidth measurement.")
+    flags.register_validator("bandwidth_mib", lambda v: v > 0, "--bandwidth_mib must be > 0")
     flags.DEFINE_list("big_models", ["resnet50", "vgg16"], "Models of the simulated section.")
-    flags.DEFINE_integer("big_image_size", 64, "Input height/width of the profiled big models.")
-    flags.DEFINE_integer("big_batch", 8, "Micro-batch size of the profiled big models.")
-    flags.DEFINE_integer("big_repeats", 3, "Timed calls per layer function (big models).")
-    flags.DEFINE_integer("sim_devices", 16, "Devices of the heterogeneous topology.")
+    flags.DEFINE_integer("big_image_size", 64, "Input height/width of the profiled big models.",
+                         lower_bound=1)
+    flags.DEFINE_integer("big_batch", 8, "Micro-batch size of the profiled big models.",
+                         lower_bound=1)
+    flags.DEFINE_integer("big_repeats", 3, "Timed calls per layer function (big models).",
+                         lower_bound=1)
+    flags.DEFINE_integer("sim_devices", 16, "Devices of the heterogeneous topology.", lower_bound=1)
     flags.DEFINE_float("base_bandwidth", 1.25e9, "Fastest link, bytes/s (10 Gb/s).")
+    flags.register_validator("base_bandwidth", lambda v: v > 0, "--base_bandwidth must be > 0")
     flags.DEFINE_float("spread", 0.8, "Links uniform in [(1 - spread), 1] * base_bandwidth.")
+    flags.register_validator("spread", lambda v: 0.0 <= v < 1.0, "--spread must be in [0, 1)")
     flags.DEFINE_integer("topology_seed", 0, "Seed of the heterogeneous topology.")
-    flags.DEFINE_integer("sim_micro_batches", 16, "Micro-batches of the simulations.")
-    flags.DEFINE_integer("plan_layers", 200, "Layers of the planning-time profile.")
-    flags.DEFINE_integer("plan_devices", 16, "Devices of the planning-time topology.")
+    flags.DEFINE_integer("sim_micro_batches", 16, "Micro-batches of the simulations.",
+                         lower_bound=1)
+    flags.DEFINE_integer("plan_layers", 200, "Layers of the planning-time profile.", lower_bound=1)
+    flags.DEFINE_integer("plan_devices", 16, "Devices of the planning-time topology.",
+                         lower_bound=1)
 
 
 def _median(fn: Callable[[], Any], warmup: int, repeats: int) -> float:

@@ -71,6 +71,9 @@ def define_flags() -> None:
     flags.DEFINE_float("inter_bandwidth_gbit", 10.0, "two_level: links across nodes (Gbit/s).")
     flags.DEFINE_float("spread", 0.8, "random: links uniform in [(1 - spread), 1] x "
                        "--bandwidth_gbit.")
+    flags.register_validator("spread", lambda v: 0.0 <= v < 1.0, "--spread must be in [0, 1)")
+    for name in ("bandwidth_gbit", "intra_bandwidth_gbit", "inter_bandwidth_gbit"):
+        flags.register_validator(name, lambda v: v > 0, f"--{name} must be > 0")
     flags.DEFINE_integer("seed", 0, "Seed of the random topology, the model's initialisation "
                          "and the profiled batch.")
     flags.DEFINE_string("out", "plan_pipeline_out", "Output directory (created).")

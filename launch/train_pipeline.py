@@ -53,9 +53,11 @@ def define_flags() -> None:
     flags.DEFINE_string("topology_json", None, "Read a planning.Topology JSON instead (its "
                         "proportions; the fastest link becomes --bandwidth_mbit).")
     flags.DEFINE_float("spread", 0.8, "How much slower the slowest link is (fraction).")
+    flags.register_validator("spread", lambda v: 0.0 <= v < 1.0, "--spread must be in [0, 1)")
     flags.DEFINE_integer("devices_per_node", 2, "two_level: workers per node.", lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Seed of the random topology, the model and the data.")
     flags.DEFINE_float("bandwidth_mbit", 200.0, "Rate of the fastest link (Mbit/s).")
+    flags.register_validator("bandwidth_mbit", lambda v: v > 0, "--bandwidth_mbit must be > 0")
     flags.DEFINE_float("latency_ms", 0.0, "One-way delay on every link (needs netem).")
     flags.DEFINE_float("worker_cpus", None, "CPU quota of every worker and of the client "
                        "(CPUs); default: this machine's cores / --workers, so that the "

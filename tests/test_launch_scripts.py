@@ -55,6 +55,9 @@ BAD_FLAGS = [
     ("print_blocks", ["--input_shape=32,x"], "--input_shape"),
     ("print_blocks", ["--density=2"], "--density"),
     ("train_hybrid", ["--compression=dense", "--density=0.1"], "--density"),
+    ("bench_pipeline", ["--micro_batches=0"], "micro_batches"),
+    ("plan_pipeline", ["--spread=1"], "--spread"),
+    ("train_pipeline", ["--bandwidth_mbit=0"], "--bandwidth_mbit"),
 ]
 
 
