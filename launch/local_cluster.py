@@ -65,6 +65,7 @@ def define_flags() -> None:
     flags.DEFINE_float("latency_ms", None,
                        "Root only: one-way delay per packet in ms (tc netem; the namespaces as "
                        "for --bandwidth_mbit, which may be left unset).")
+    flags.declare_key_flag("log_dir")  # absl's own flag, listed with the launcher's
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -36,7 +36,7 @@ OWN_FLAGS = {
     "results_tables": ["results", "update_readme"],
     "train_hybrid": ["conv_replicas", "fc_replicas", "compression", "model", "workers"],
     "train_pipeline": ["workers", "topology", "model"],
-    "local_cluster": ["num_workers", "grace_s", "bandwidth_mbit"],
+    "local_cluster": ["num_workers", "grace_s", "bandwidth_mbit", "log_dir"],
     "netem": ["num_workers", "bandwidth_mbit", "seconds"],
 }
 
