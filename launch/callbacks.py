@@ -31,11 +31,18 @@ def format_progress(epoch: int, epochs: int, seconds: float, logs: Mapping[str, 
     for name in sorted(logs):
         if name in BLOCK_SPARSE_FIELDS and not block_metrics:
             continue
-        value = logs[name]
-        parts.append(f"{name}: {value:.4f}" if isinstance(value, float) and abs(value) < 1e4
-                     else f"{name}: {value:.6g}" if isinstance(value, float)
-                     else f"{name}: {value}")
+        parts.append(f"{name}: {_show(logs[name])}")
     return " - ".join(parts)
+
+
+def _show(value: Any) -> str:
+    """Counts (whole numbers >= 2, e.g. ``val_correct``, bytes) as integers, other floats
+    with 4 decimals, anything else as is."""
+    if not isinstance(value, float):
+        return str(value)
+    if value.is_integer() and abs(value) >= 2:
+        return str(int(value))
+    return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.6g}"
 
 
 def progress(epochs: int, block_metrics: bool = False,

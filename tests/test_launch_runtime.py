@@ -137,9 +137,13 @@ def test_progress_line_hides_the_block_sparse_fields_unless_asked():
     assert line == ("epoch 2/3 - 4.1s - accuracy: 0.8125 - loss: 0.5312 - "
                     "val_accuracy: 0.8047")
     full = format_progress(1, 3, 4.12, logs, block_metrics=True)
-    assert full.startswith("epoch 2/3 - 4.1s - accuracy: 0.8125 - blocks_kept: 1234.0000")
+    assert full.startswith("epoch 2/3 - 4.1s - accuracy: 0.8125 - blocks_kept: 1234 - ")
     assert all(f"{name}: " in full for name in BLOCK_SPARSE_FIELDS)
     assert "payload_bytes: 123456 " in full + " "
+    counts = format_progress(0, 1, 1.0, {"val_correct": 31.0, "val_loss": 2.5, "x": 1.0,
+                                         "big": 123456.25})
+    assert counts == ("epoch 1/1 - 1.0s - big: 123456 - val_correct: 31 - val_loss: 2.5000 - "
+                      "x: 1.0000")
 
     printed, now = [], [0.0]
     cb = progress(2, timer=lambda: now[0], out=printed.append)
