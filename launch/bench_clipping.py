@@ -75,85 +75,54 @@ on the same fixed random batch (``--batch`` per replica).  The inner optimizer i
 
     Ratios are against ``global_clipnorm``.
 
-    python launch/bench_clipping.py [--model=resnet20] [--batch=16] [--repeats=15]
+    python -m launch.bench_clipping [--model=resnet20] [--batch=16] [--repeats=15]
         [--inter_op_threads=8] [--logdir=/tmp/trace]
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
-import re
 import shutil
 import statistics
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import flags
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
-from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
-
-from launch.bench_fusion import build_model as build_fusion_model  # noqa: E402
-from launch.bench_fusion import (  # noqa: E402
-    ensure_logical_cpus,
-    machine_info,
-    random_replica_batch,
+from launch import runtime, script
+from launch import trace_analysis as trace
+from launch.clipping_variants import (
+    BASELINE,
+    DESCRIPTIONS,
+    LEARNING_RATE,
+    MOMENTUM,
+    OVERLAP_VARIANTS,
+    STEP_VARIANTS,
+    make_optimizer,
 )
-from models.resnet import resnet20  # noqa: E402
-from tf_blocksparse import BlockSparseOptimizer  # noqa: E402
-from tf_blocksparse.clipping import LocalNormClip  # noqa: E402
-from tf_blocksparse.planning.fusion import plan_backward  # noqa: E402
+from models.registry import build_image_model
+from tf_blocksparse.planning.fusion import plan_backward
 
 FLAGS = flags.FLAGS
-MODELS = ("resnet20", "small_cnn")
-LEARNING_RATE = 0.05
-MOMENTUM = 0.9
+MODELS = ("resnet20", "cnn_bn")
 CLASSES = 10
-OVERLAP_VARIANTS = ("fused", "single_group")
-STEP_VARIANTS = ("local_clip_dense", "local_clip_allgather", "global_clipnorm", "no_clip",
-                 "reduce_then_global_clip")
-BASELINE = "global_clipnorm"
-DESCRIPTIONS = {
-    "fused": "BlockSparseOptimizer(SGD, k=1, exchange='allgather', clipping=[LocalNormClip(t)],"
-             " fusion_buffer_bytes=B)",
-    "single_group": "BlockSparseOptimizer(SGD, k=1, exchange='allgather', "
-                    "clipping=[LocalNormClip(t)], fusion_buffer_bytes=None)",
-    "local_clip_dense": "BlockSparseOptimizer(SGD, exchange='dense', "
-                        "clipping=[LocalNormClip(t)], fusion_buffer_bytes=B)",
-    "local_clip_allgather": "BlockSparseOptimizer(SGD, k=1, exchange='allgather', "
-                            "clipping=[LocalNormClip(t)], fusion_buffer_bytes=B)",
-    "global_clipnorm": "SGD(global_clipnorm=t): Keras clips each replica's local gradients' "
-                       "global norm, then all-reduces",
-    "no_clip": "SGD, no clipping (Keras all-reduce)",
-    "reduce_then_global_clip": "SGD whose all-reduced gradients are clipped to global norm t",
-}
-BACKWARD_RULE = ("op name has a 'gradient_tape' or 'gradients' scope component, or op type "
-                 "contains 'Backprop' or ends with 'Grad'")
-COLLECTIVE_RULE = ("op type starts with 'Collective' or 'Nccl' (not CollectiveAssignGroupV2 / "
-                   "CollectiveInitializeCommunicator)")
-_NOT_EXCHANGE = frozenset({"CollectiveAssignGroupV2", "CollectiveInitializeCommunicator"})
-_REPLICA_SCOPE = re.compile(r"(?:^|/)replica_(\d+)/")
-_PS_PER_MS = 1e9
-
-
 def define_flags() -> None:
     """Defines the script's flags (only called when run as a script)."""
     flags.DEFINE_enum("model", "resnet20", MODELS,
-                      "resnet20 (models/resnet.py) or small_cnn (4 conv-BN blocks + dense head).")
+                      "Registry model: resnet20 or cnn_bn (4 conv-BN blocks + dense head).")
     flags.DEFINE_integer("image_size", 32, "Input height / width.")
     flags.DEFINE_integer("batch", 16, "Batch size per replica.")
     flags.DEFINE_integer("warmup", 3, "Untimed interleaved rounds before the timed ones.")
-    flags.DEFINE_integer("repeats", 15, "Timed interleaved rounds (median).")
-    flags.DEFINE_integer("trace_steps", 3, "Profiled steps per overlap variant (median).")
+    flags.DEFINE_integer("repeats", 15, "Timed interleaved rounds (median).", lower_bound=1)
+    flags.DEFINE_integer("trace_steps", 3, "Profiled steps per overlap variant (median).",
+                         lower_bound=1)
     flags.DEFINE_integer("buffer_bytes", 0,
                          "Fusion buffer in bytes; 0: a quarter of the model's gradient bytes.")
     flags.DEFINE_float("threshold", 1.0, "Clipping threshold t (LocalNormClip, global norm).")
@@ -163,71 +132,10 @@ def define_flags() -> None:
                                       "directory, removed at the end.")
 
 
-# --------------------------------------------------------------------------- set-up helpers
-
-
-def build_model(name: str, image_size: int) -> tuple[keras.Model, bool]:
-    """The benchmark model and whether it outputs logits (else probabilities)."""
-    if name == "resnet20":
-        return resnet20((image_size, image_size, 3), CLASSES), True
-    if name == "small_cnn":
-        return build_fusion_model("small_cnn", image_size, CLASSES), False
-    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
-
-
-class ReduceThenClipSGD(keras.optimizers.SGD):
-    """SGD that clips the global norm of the *all-reduced* gradients.
-
-    Keras clips (``clipnorm`` / ``global_clipnorm``) before its all-reduce; this hooks the
-    all-reduce (``_all_reduce_sum_gradients``, called by ``_backend_update_step`` in replica
-    context) and clips its result, so every replica clips the same aggregated gradient.
-
-    Args:
-        clip_norm: Global-norm threshold of the aggregated gradients.
-        **kwargs: ``keras.optimizers.SGD`` arguments.
-    """
-
-    def __init__(self, clip_norm: float, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.clip_norm = float(clip_norm)
-
-    def _all_reduce_sum_gradients(self, grads_and_vars: Any) -> list:
-        pairs = list(super()._all_reduce_sum_gradients(grads_and_vars))
-        kept = [i for i, (g, _) in enumerate(pairs) if g is not None]
-        clipped, _ = tf.clip_by_global_norm([pairs[i][0] for i in kept], self.clip_norm)
-        for i, g in zip(kept, clipped):
-            pairs[i] = (g, pairs[i][1])
-        return pairs
-
-
-def make_optimizer(variant: str, threshold: float, buffer_bytes: int
-                   ) -> keras.optimizers.Optimizer:
-    """The optimizer of one of :data:`OVERLAP_VARIANTS` or :data:`STEP_VARIANTS`."""
-    sgd = {"learning_rate": LEARNING_RATE, "momentum": MOMENTUM}
-    clip = [LocalNormClip(threshold)]
-    if variant in ("fused", "local_clip_allgather"):
-        return BlockSparseOptimizer(keras.optimizers.SGD(**sgd), k=1, exchange="allgather",
-                                    clipping=clip, fusion_buffer_bytes=buffer_bytes)
-    if variant == "single_group":
-        return BlockSparseOptimizer(keras.optimizers.SGD(**sgd), k=1, exchange="allgather",
-                                    clipping=clip, fusion_buffer_bytes=None)
-    if variant == "local_clip_dense":
-        return BlockSparseOptimizer(keras.optimizers.SGD(**sgd), exchange="dense",
-                                    clipping=clip, fusion_buffer_bytes=buffer_bytes)
-    if variant == "global_clipnorm":
-        return keras.optimizers.SGD(global_clipnorm=threshold, **sgd)
-    if variant == "no_clip":
-        return keras.optimizers.SGD(**sgd)
-    if variant == "reduce_then_global_clip":
-        return ReduceThenClipSGD(threshold, **sgd)
-    raise ValueError(f"unknown variant {variant!r}")
-
-
 def make_train_step(strategy: tf.distribute.Strategy, model: keras.Model,
-                    optimizer: keras.optimizers.Optimizer, from_logits: bool
-                    ) -> Callable[[Any, Any], tf.Tensor]:
+                    optimizer: keras.optimizers.Optimizer) -> Callable[[Any, Any], tf.Tensor]:
     """A ``tf.function``: forward, loss / replicas, gradients, ``optimizer.apply``."""
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = model.trainable_variables
 
     def replica_fn(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
@@ -266,7 +174,7 @@ def build_variants(strategy: tf.distribute.Strategy, names: Sequence[str], model
     for name in names:
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            model, from_logits = build_model(model_name, image_size)
+            model = build_image_model(model_name, image_size, CLASSES)
             if weights is None:
                 weights = model.get_weights()
             else:
@@ -274,7 +182,7 @@ def build_variants(strategy: tf.distribute.Strategy, names: Sequence[str], model
             optimizer = make_optimizer(name, threshold, buffer_bytes)
             optimizer.build(model.trainable_variables)
         out[name] = Variant(name, model, optimizer,
-                            make_train_step(strategy, model, optimizer, from_logits))
+                            make_train_step(strategy, model, optimizer))
     return out
 
 
@@ -292,174 +200,10 @@ def fusion_groups(model: keras.Model, buffer_bytes: int | None) -> int:
     return len(plan_backward(gradient_nbytes(model), dtypes, buffer_bytes).groups)
 
 
-# --------------------------------------------------------------------------- trace parsing
-
-
-@dataclasses.dataclass(frozen=True)
-class OpEvent:
-    """One executed TF op from a host trace (times in picoseconds)."""
-
-    name: str
-    type: str
-    start_ps: int
-    end_ps: int
-    instance_key: int | None = None  # collectives: the same on every participating replica
-
-
-def read_op_events(logdir: str) -> list[OpEvent]:
-    """TF op events of the ``/host:CPU`` plane of the (only) profile under ``logdir``.
-
-    Raises:
-        RuntimeError: No ``*.xplane.pb`` or no host plane was written.
-    """
-    paths = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))
-    if not paths:
-        raise RuntimeError(f"no *.xplane.pb under {logdir}/plugins/profile")
-    space = xplane_pb2.XSpace()
-    with open(paths[-1], "rb") as f:
-        space.ParseFromString(f.read())
-    hosts = [p for p in space.planes if p.name == "/host:CPU"]
-    if not hosts:
-        raise RuntimeError(f"no /host:CPU plane in {paths[-1]}")
-    plane = hosts[0]
-    key_ids = {i for i, m in plane.stat_metadata.items() if m.name == "instance_key"}
-    events = []
-    for line in plane.lines:
-        base_ps = line.timestamp_ns * 1000
-        for ev in line.events:
-            meta = plane.event_metadata[ev.metadata_id]
-            name, sep, op_type = meta.name.rpartition(":")
-            if not sep or not name or not meta.display_name or op_type != meta.display_name:
-                continue  # not a TF op (executor, thread-pool and runtime events)
-            start = base_ps + ev.offset_ps
-            keys = [st.int64_value for st in ev.stats if st.metadata_id in key_ids]
-            events.append(OpEvent(name, op_type, start, start + ev.duration_ps,
-                                  keys[0] if keys else None))
-    return events
-
-
-def is_backward(event: OpEvent) -> bool:
-    """Whether an op belongs to the backward pass (see :data:`BACKWARD_RULE`)."""
-    scopes = event.name.split("/")
-    return (any(s == "gradient_tape" or s.startswith("gradients") for s in scopes[:-1])
-            or "Backprop" in event.type or event.type.endswith("Grad"))
-
-
-def is_exchange(event: OpEvent) -> bool:
-    """Whether an op is an exchange collective (see :data:`COLLECTIVE_RULE`)."""
-    return (event.type.startswith(("Collective", "Nccl", "_Nccl"))
-            and event.type not in _NOT_EXCHANGE)
-
-
-def replica_devices(graph: tf.Graph, devices: Sequence[str]) -> dict[str, int]:
-    """Maps each op name of ``graph`` placed on one of ``devices`` to that device's index."""
-    index = {tf.DeviceSpec.from_string(d).to_string(): i for i, d in enumerate(devices)}
-    out = {}
-    for op in graph.get_operations():
-        if op.device:
-            i = index.get(tf.DeviceSpec.from_string(op.device).to_string())
-            if i is not None:
-                out[op.name] = i
-    return out
-
-
-def replica_of(event: OpEvent, placement: dict[str, int]) -> int | None:
-    """The replica that ran ``event``: graph placement, else a ``replica_<i>/`` scope."""
-    if event.name in placement:
-        return placement[event.name]
-    match = _REPLICA_SCOPE.search(event.name)
-    return int(match.group(1)) if match else None
-
-
-def union(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted, disjoint union of half-open intervals."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(intervals):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
-def length(intervals: Sequence[tuple[int, int]]) -> int:
-    """Total length of disjoint intervals."""
-    return sum(hi - lo for lo, hi in intervals)
-
-
-def inside(intervals: Sequence[tuple[int, int]], lo: int, hi: int) -> int:
-    """Length of disjoint ``intervals`` within ``[lo, hi]``."""
-    return sum(max(0, min(b, hi) - max(a, lo)) for a, b in intervals)
-
-
-def analyse_step(events: Sequence[OpEvent], placement: dict[str, int], replicas: int) -> dict:
-    """Backward window, exchange intervals and their overlap, per replica and pooled.
-
-    Besides the per-replica figures (a replica's collective counts from its launch there,
-    waiting for the peer included), the *joint* exchange counts a collective instance only
-    from its launch on the last replica to its last completion (when every replica is in
-    it), against the joint backward window (first backward op of any replica to the last
-    one of any replica): overlap that is not just one replica waiting for the other.
-
-    Raises:
-        RuntimeError: A replica has no backward op or no collective in the trace.
-    """
-    per_replica = []
-    types: Counter[str] = Counter()
-    unassigned = 0
-    by_replica: dict[int, list[OpEvent]] = {r: [] for r in range(replicas)}
-    instances: dict[int, list[OpEvent]] = {}
-    windows = []
-    for ev in events:
-        r = replica_of(ev, placement)
-        if r in by_replica:
-            by_replica[r].append(ev)
-        elif is_backward(ev) or is_exchange(ev):
-            unassigned += 1
-    for r in range(replicas):
-        evs = by_replica[r]
-        grads = [e for e in evs if is_backward(e)]
-        colls = [e for e in evs if is_exchange(e)]
-        if not grads or not colls:
-            raise RuntimeError(f"replica {r}: {len(grads)} backward ops, {len(colls)} "
-                               "collectives in the trace")
-        types.update(e.type for e in colls)
-        for e in colls:
-            if e.instance_key is not None:
-                instances.setdefault(e.instance_key, []).append(e)
-        lo = min(e.start_ps for e in grads)
-        hi = max(e.end_ps for e in grads)
-        windows.append((lo, hi))
-        spans = union([(e.start_ps, e.end_ps) for e in colls])
-        first = min(e.start_ps for e in colls)
-        last = max(e.end_ps for e in colls)
-        per_replica.append({
-            "backward_ops": len(grads), "collectives": len(colls),
-            "backward_ms": (hi - lo) / _PS_PER_MS,
-            "exchange_ms": length(spans) / _PS_PER_MS,
-            "exchange_in_backward_ms": inside(spans, lo, hi) / _PS_PER_MS,
-            "first_exchange_start_minus_backward_end_ms": (first - hi) / _PS_PER_MS,
-            "exchange_tail_after_backward_ms": max(0, last - hi) / _PS_PER_MS,
-        })
-    total = sum(p["exchange_ms"] for p in per_replica)
-    overlap = sum(p["exchange_in_backward_ms"] for p in per_replica)
-    joint = union([(max(e.start_ps for e in es), max(e.end_ps for e in es))
-                   for es in instances.values() if len(es) == replicas])
-    lo, hi = min(w[0] for w in windows), max(w[1] for w in windows)
-    joint_total = length(joint)
-    return {"exchange_overlap_fraction": overlap / total if total > 0 else 0.0,
-            "joint_exchange_overlap_fraction":
-                inside(joint, lo, hi) / joint_total if joint_total > 0 else 0.0,
-            "joint_exchange_ms": joint_total / _PS_PER_MS,
-            "joint_instances": sum(len(es) == replicas for es in instances.values()),
-            "per_replica": per_replica, "collective_types": dict(types),
-            "unassigned_backward_or_exchange_ops": unassigned}
-
-
 def trace_variant(variant: Variant, x: Any, y: Any, steps: int, logdir: str,
                   devices: Sequence[str]) -> dict:
     """Profiles ``steps`` single steps of a warmed-up variant and summarises them."""
-    placement = replica_devices(variant.step.get_concrete_function(x, y).graph, devices)
+    placement = trace.replica_devices(variant.step.get_concrete_function(x, y).graph, devices)
     options = tf.profiler.experimental.ProfilerOptions(
         host_tracer_level=2, python_tracer_level=0, device_tracer_level=0)
     results = []
@@ -470,7 +214,7 @@ def trace_variant(variant: Variant, x: Any, y: Any, steps: int, logdir: str,
             variant.step(x, y).numpy()
         finally:
             tf.profiler.experimental.stop()
-        results.append(analyse_step(read_op_events(step_dir), placement, len(devices)))
+        results.append(trace.analyse_step(trace.read_op_events(step_dir), placement, len(devices)))
 
     def med(key: str) -> float:
         return round(statistics.median(
@@ -507,13 +251,6 @@ def trace_variant(variant: Variant, x: Any, y: Any, steps: int, logdir: str,
 # ----------------------------------------------------------------------------------- run
 
 
-def _call(step: Callable[[Any, Any], tf.Tensor], x: Any, y: Any) -> float:
-    """Seconds of one synchronous step."""
-    t0 = time.perf_counter()
-    step(x, y).numpy()
-    return time.perf_counter() - t0
-
-
 def run(model: str = "resnet20", image_size: int = 32, batch: int = 16, warmup: int = 3,
         repeats: int = 15, trace_steps: int = 3, buffer_bytes: int = 0,
         threshold: float = 1.0, logdir: str = "",
@@ -527,11 +264,11 @@ def run(model: str = "resnet20", image_size: int = 32, batch: int = 16, warmup: 
             removed at the end).
     """
     if strategy is None:
-        ensure_logical_cpus(2)
+        runtime.logical_cpus(2)
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     devices = list(strategy.extended.worker_devices)
     t0 = time.perf_counter()
-    probe, _ = build_model(model, image_size)
+    probe = build_image_model(model, image_size, CLASSES)
     grad_bytes = sum(gradient_nbytes(probe))
     n_vars = len(probe.trainable_variables)
     del probe
@@ -540,17 +277,15 @@ def run(model: str = "resnet20", image_size: int = 32, batch: int = 16, warmup: 
     variants = build_variants(strategy, ("single_group", *STEP_VARIANTS), model, image_size,
                               threshold, buffer_bytes)
     variants["fused"] = dataclasses.replace(variants["local_clip_allgather"], name="fused")
-    x, y = random_replica_batch(strategy, batch, image_size, CLASSES)
-    for name in ("single_group", *STEP_VARIANTS):
-        variants[name].first_call_s = _call(variants[name].step, x, y)
+    x, y = runtime.replica_batch(strategy, batch, image_size, CLASSES)
+    calls = {name: (lambda v=variants[name]: v.step(x, y))
+             for name in ("single_group", *STEP_VARIANTS)}
+    for name, call in calls.items():
+        variants[name].first_call_s = runtime.time_call(call)
     t1 = time.perf_counter()
 
-    times: dict[str, list[float]] = {v: [] for v in STEP_VARIANTS}
-    for r in range(warmup + repeats):
-        for name in STEP_VARIANTS:
-            dt = _call(variants[name].step, x, y)
-            if r >= warmup:
-                times[name].append(1000 * dt)
+    times = {v: [1000 * t for t in ts] for v, ts in runtime.interleaved_seconds(
+        {v: calls[v] for v in STEP_VARIANTS}, repeats, warmup).items()}
     median = {v: statistics.median(t) for v, t in times.items()}
     t2 = time.perf_counter()
 
@@ -582,7 +317,7 @@ def run(model: str = "resnet20", image_size: int = 32, batch: int = 16, warmup: 
                       "xplane_pb2 /host:CPU op events",
             "logdir": None if own_dir else root,
             "trace_steps": trace_steps,
-            "backward_ops": BACKWARD_RULE, "exchange_ops": COLLECTIVE_RULE,
+            "backward_ops": trace.BACKWARD_RULE, "exchange_ops": trace.COLLECTIVE_RULE,
             "fraction": "sum over replicas of |union(exchange) & backward window| / "
                         "sum of |union(exchange)|",
             "joint_fraction": "per collective instance [last replica's launch, last end]; "
@@ -608,7 +343,7 @@ def run(model: str = "resnet20", image_size: int = 32, batch: int = 16, warmup: 
         },
         "section_seconds": {"build_and_trace": round(t1 - t0, 2),
                             "step_time": round(t2 - t1, 2), "overlap": round(t3 - t2, 2)},
-        "machine": machine_info(),
+        "machine": runtime.machine_info(),
     }
 
 
@@ -617,7 +352,7 @@ def main(argv: list[str]) -> None:
     del argv
     if FLAGS.inter_op_threads:
         tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
-    ensure_logical_cpus(2)
+    runtime.logical_cpus(2)
     print(json.dumps(run(
         model=FLAGS.model, image_size=FLAGS.image_size, batch=FLAGS.batch,
         warmup=FLAGS.warmup, repeats=FLAGS.repeats, trace_steps=FLAGS.trace_steps,
@@ -625,5 +360,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

@@ -11,7 +11,7 @@ method); the test accuracy counts every test image exactly once (``test_correct`
 finished and ``--resume`` continues it (also with more seeds or models);
 ``OUT/convergence.png`` shows the test accuracy per epoch, mean over seeds with a +-std band.
 
-    python launch/bench_convergence.py [--models=cnn_small,resnet20] [--seeds=0,1,2]
+    python -m launch.bench_convergence [--models=cnn_small,resnet20] [--seeds=0,1,2]
         [--model_epochs=cnn_small=3,resnet20=5]
 """
 
@@ -21,29 +21,14 @@ import json
 import os
 import platform
 import statistics
-import sys
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from launch import experiments  # noqa: E402
+from launch import experiments, script
+from launch import flags as train_flags
 
 FLAGS = flags.FLAGS
-#: name -> (launch/experiments method, density, extra launch/train.py flags).  Every sparse
-#: method takes the library's defaults for what it does not set.
-CONV_METHODS = {
-    "dense": ("dense", None, ()),
-    # BlockSparseOptimizer(SGD(lr, momentum=0.9)): k=1, momentum before the exchange (DGC
-    # correction), variables under 1,024 elements whole.
-    "block_default": ("block_default", None, ()),
-    # The literal configuration: k=1 on every variable, global momentum after the exchange.
-    "block_source": ("block_k1", None, ("--global_momentum", "--dense_below=0")),
-    # k=1 on every variable with DGC's local momentum (the default without dense_below).
-    "block_k1_dgc": ("block_k1", None, ("--dense_below=0",)),
-    "block_k1_waited": ("block_default", None, ("--momentum_masking=waited",)),
-    "topk_1pct": ("topk", 0.01, ()),
-}
+CONV_METHODS = experiments.CONVERGENCE_METHODS
 TARGET_POINTS = 0.003
 
 
@@ -52,9 +37,15 @@ def define_flags() -> None:
     flags.DEFINE_list("models", ["cnn_small", "resnet20"], "Models, each run with every seed.")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (model initialisation and data order).")
     flags.DEFINE_list("methods", ["dense", "block_default", "block_source", "topk_1pct"],
-                      f"Methods, of {sorted(CONV_METHODS)}.")
-    flags.DEFINE_integer("num_workers", 4, "Worker processes.")
-    flags.DEFINE_integer("epochs", 3, "Epochs (the same budget for every method).")
+                      f"Methods, of {list(CONV_METHODS)} (launch/experiments.py).")
+    flags.DEFINE_integer("num_workers", 4, "Worker processes.", lower_bound=1)
+    flags.DEFINE_integer("epochs", 3, "Epochs (the same budget for every method).",
+                         lower_bound=1)
+    flags.register_validator("methods", lambda m: experiments.known_methods(m, CONV_METHODS),
+                             f"--methods must be a non-empty list of {list(CONV_METHODS)}")
+    flags.register_validator("seeds", _int_list, "--seeds must be a list of integers")
+    flags.register_validator("models", lambda m: experiments.known_methods(
+        m, train_flags.MODELS), f"--models must be a non-empty list of {train_flags.MODELS}")
     flags.DEFINE_list("model_epochs", ["resnet20=5"], "Per-model MODEL=EPOCHS overriding "
                       "--epochs.")
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full pass).")
@@ -67,6 +58,13 @@ def define_flags() -> None:
     flags.DEFINE_boolean("resume", False, "Keep the runs (model x method x seed) of "
                          "OUT/convergence.json with the same budget (and those of models not "
                          "in --models); run only the missing ones.")
+
+
+def _int_list(values: list[str]) -> bool:
+    try:
+        return bool(values) and all(str(int(v)) == v.strip() for v in values)
+    except ValueError:
+        return False
 
 
 def model_epochs(entries: list[str]) -> dict[str, int]:
@@ -168,9 +166,6 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = FLAGS
-    for name in f.methods:
-        if name not in CONV_METHODS:
-            raise app.UsageError(f"--methods: unknown {name!r}")
     overrides = model_epochs(f.model_epochs)
     seeds = [int(s) for s in f.seeds]
     common = {"num_workers": f.num_workers, "steps_per_epoch": f.steps_per_epoch or "full pass",
@@ -212,9 +207,8 @@ def main(argv: list[str]) -> None:
                        for r in doc["runs"]):
                     print(f"{model} {name} seed {seed}: kept from {path}", flush=True)
                     continue
-                method, density, extra = CONV_METHODS[name]
-                rec = experiments.run_training(method, [*args, f"--seed={seed}", *extra],
-                                               f.num_workers, density or 0.01)
+                rec = experiments.run_training(name, [*args, f"--seed={seed}"],
+                                               f.num_workers, 0.01)
                 rec["model"], rec["method"] = model, name
                 doc["runs"].append(_slim(rec))
                 print(json.dumps({"model": model, "method": name, "seed": seed,
@@ -228,5 +222,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

@@ -33,7 +33,7 @@ Prints one JSON object (all in one process) with:
 Non-finite ratios (a group of 0 bytes) are written as ``null``.  ``--sections=plans`` runs
 only the (quick, CPU-light) plans section.
 
-    python launch/bench_fusion.py [--buffer_mib=4,16,25,64] [--cycle_ms=5] [--pack_mib=4]
+    python -m launch.bench_fusion [--buffer_mib=4,16,25,64] [--cycle_ms=5] [--pack_mib=4]
         [--sections=plans,simulation,step_time]
 """
 
@@ -41,46 +41,34 @@ from __future__ import annotations
 
 import gc
 import json
-import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import flags
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps  # noqa: E402
-from tf_blocksparse.keras.forward_order import derive_execution_order  # noqa: E402
-from tf_blocksparse.planning import (  # noqa: E402
-    FusionPlan,
-    TensorSpec,
-    compare_plans,
+from launch import runtime, script
+from launch.fusion_plans import (
+    finite_round,
+    model_execution_order,
+    plans_section,
+    tensor_specs,
+)
+from launch.fusion_step import step_time_section
+from models.registry import build_image_model
+from tf_blocksparse.planning import (
     execution_order,
-    min_imbalance,
     plan_balanced,
-    plan_ddp,
-    plan_horovod_greedy,
-    plan_summary,
-    plan_tf_group_by_size,
     simulate,
     simulate_greedy_cycles,
 )
 
 FLAGS = flags.FLAGS
-MIB = 2**20
-BALANCE_TARGET = 1.25
-STEP_METHODS = ("per_tensor", "tf_default", "tf_bytes_per_pack", "balanced")
 SECTIONS = ("plans", "simulation", "step_time")
-MODELS = ("resnet50", "vgg16", "small_cnn")
-UPDATE_NOTE = ("plain SGD v -= lr * reduced_g on every replica via merge_call + "
-               "strategy.extended.update (BatchNorm moving statistics update in replica)")
+MODELS = ("resnet50", "vgg16", "cnn_bn")
 
 
 def define_flags() -> None:
@@ -98,168 +86,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("step_image_size", 32, "Input height/width of the step model.")
     flags.DEFINE_integer("step_batch", 8, "Batch size per replica of the step.")
     flags.DEFINE_integer("warmup", 2, "Untimed interleaved rounds of the step.")
-    flags.DEFINE_integer("repeats", 11, "Timed interleaved rounds of the step (median).")
+    flags.DEFINE_integer("repeats", 11, "Timed interleaved rounds of the step (median).",
+                         lower_bound=1)
     flags.DEFINE_float("pack_mib", 4.0, "bytes_per_pack / balanced buffer of the step, MiB.")
     flags.DEFINE_list("sections", list(SECTIONS), "Sections to run (plans is the quick one).")
-
-
-# --------------------------------------------------------------------------- set-up helpers
-
-
-def ensure_logical_cpus(count: int = 2) -> None:
-    """Splits the physical CPU into ``count`` logical devices (before TF initialises).
-
-    Raises:
-        RuntimeError: TF is already initialised with fewer logical CPUs.
-    """
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    if len(tf.config.get_logical_device_configuration(cpu) or []) >= count:
-        return
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-    except RuntimeError as err:  # already initialised
-        if len(tf.config.list_logical_devices("CPU")) < count:
-            raise RuntimeError(f"need {count} logical CPUs; configure them before TensorFlow "
-                               "initialises or pass a strategy") from err
-
-
-def machine_info() -> dict:
-    """Platform, CPU count, TF / Keras versions and the accelerator kind."""
-    return {"platform": platform.platform(), "cpus": os.cpu_count(),
-            "tensorflow": tf.__version__, "keras": keras.__version__,
-            "logical_cpus": len(tf.config.list_logical_devices("CPU")),
-            "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU"}
-
-
-def build_model(name: str, image_size: int | None = None, classes: int = 10) -> keras.Model:
-    """A model with real variables.
-
-    Args:
-        name: ``resnet50``, ``vgg16`` (``keras.applications``, ``weights=None``) or
-            ``small_cnn`` (a few convolutions of varied width, BatchNorm and a dense head).
-        image_size: Input height / width; ``None`` for the ImageNet default (224, 1000
-            classes; ``small_cnn``: 32).
-        classes: Output classes when ``image_size`` is given.
-    """
-    if name == "small_cnn":
-        size = image_size or 32
-        layers = [keras.Input((size, size, 3))]
-        for width in (8, 16, 32, 64):
-            layers += [keras.layers.Conv2D(width, 3, padding="same", use_bias=False),
-                       keras.layers.BatchNormalization(), keras.layers.ReLU(),
-                       keras.layers.MaxPooling2D(2, padding="same")]
-        layers += [keras.layers.Flatten(), keras.layers.Dense(64, activation="relu"),
-                   keras.layers.Dense(classes, activation="softmax")]
-        return keras.Sequential(layers, name="small_cnn")
-    builder = {"resnet50": keras.applications.ResNet50, "vgg16": keras.applications.VGG16}
-    if name not in builder:
-        raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
-    if image_size is None:
-        return builder[name](weights=None)
-    return builder[name](weights=None, input_shape=(image_size, image_size, 3), classes=classes)
-
-
-def tensor_specs(variables: Sequence[Any]) -> list[TensorSpec]:
-    """One float32 :class:`TensorSpec` per variable, in the variables' order."""
-    return [TensorSpec(getattr(v, "path", v.name), int(np.prod(v.shape, dtype=np.int64)) * 4)
-            for v in variables]
-
-
-def _num(x: float, digits: int = 4) -> float | None:
-    """Rounds a float for JSON; ``None`` when it is not finite."""
-    return round(float(x), digits) if math.isfinite(x) else None
-
-
-# --------------------------------------------------------------------------------- plans
-
-
-def _plans(specs: Sequence[TensorSpec], buffer_bytes: int,
-           order: Sequence[int] | None) -> dict[str, FusionPlan]:
-    """The plans :func:`compare_plans` summarises, with the same arguments."""
-    return {
-        "balanced": plan_balanced(specs, buffer_bytes, order),
-        "tf_group_by_size": plan_tf_group_by_size(specs, buffer_bytes, order),
-        "ddp": plan_ddp(specs, buffer_bytes, min(MIB, buffer_bytes), order),
-        "horovod_greedy": plan_horovod_greedy(specs, buffer_bytes, order),
-    }
-
-
-def _method_row(row: dict, plan: FusionPlan) -> dict:
-    """One method's JSON row from its :func:`plan_summary` and its plan."""
-    if len(plan.groups) != row["groups"]:
-        raise AssertionError(f"{row['method']}: plan differs from compare_plans")
-    return {
-        "buffer_bytes": row["buffer_bytes"], "groups": row["groups"],
-        "largest_bytes": row["largest_bytes"], "smallest_bytes": row["smallest_bytes"],
-        "imbalance": _num(row["imbalance"]),
-        "imbalance_excluding_oversized": _num(row["imbalance_excluding_oversized"]),
-        "imbalance_excluding_single_oversized":
-            _num(row["imbalance_excluding_single_oversized"]),
-        "oversized_groups": sum(plan.is_oversized(g) for g in plan.groups),
-    }
-
-
-def _meets(ratio: float | None) -> bool:
-    return ratio is not None and ratio <= BALANCE_TARGET
-
-
-def plan_buffer_report(specs: Sequence[TensorSpec], buffer_bytes: int,
-                       order: Sequence[int] | None = None) -> dict:
-    """Every method's plan summary at one buffer size, and the balanced plan's checks."""
-    plans = _plans(specs, buffer_bytes, order)
-    methods = {row["method"]: _method_row(row, plans[row["method"]])
-               for row in compare_plans(specs, buffer_bytes, order)}
-    bal = methods["balanced"]
-    best = min_imbalance(specs, buffer_bytes, order)
-    return {
-        "buffer_mib": buffer_bytes / MIB, "buffer_bytes": buffer_bytes,
-        "methods": methods,
-        "greedy_min_groups": methods["horovod_greedy"]["groups"],
-        "optimal_imbalance_excluding_oversized": _num(best),
-        "target_feasible": best <= BALANCE_TARGET,
-        "balanced_meets_1_25": _meets(bal["imbalance_excluding_oversized"]),
-        "balanced_meets_1_25_strict": _meets(bal["imbalance_excluding_single_oversized"]),
-    }
-
-
-def defaults_report(specs: Sequence[TensorSpec], order: Sequence[int] | None = None) -> dict:
-    """The baselines at their own defaults (:data:`DEFAULT_METHODS`), whatever the buffer:
-    DDP with 25 MiB buckets and a 1 MiB first bucket, Horovod greedy at 128 MiB."""
-    plans = {"ddp_default": plan_ddp(specs, order=order),
-             "horovod_greedy_128mib": plan_horovod_greedy(specs, order=order)}
-    return {m: _method_row(plan_summary(p), p) for m, p in plans.items()}
-
-
-def model_execution_order(model: keras.Model) -> tuple[int, ...]:
-    """The derived backward order of ``model.trainable_variables`` (see the module doc)."""
-    order = derive_execution_order(model, model.trainable_variables)
-    if order is None:
-        raise ValueError(f"cannot derive the execution order of {model.name!r}")
-    return order
-
-
-def plans_section(models: Sequence[str], buffer_mib: Sequence[float]) -> dict:
-    """``plans``: per model, its variable set and derived order, the baselines at their
-    defaults and one report per buffer size."""
-    out = {}
-    for name in models:
-        model = build_model(name)
-        specs = tensor_specs(model.trainable_variables)
-        order = model_execution_order(model)
-        del model
-        gc.collect()
-        out[name] = {
-            "tensors": len(specs), "total_bytes": sum(s.nbytes for s in specs),
-            "largest_tensor_bytes": max(s.nbytes for s in specs),
-            "execution_order": "derived: reverse of the forward pass's first variable reads",
-            "order_positions_differing_from_reversed_list":
-                sum(a != b for a, b in zip(order, execution_order(len(specs)))),
-            "defaults": defaults_report(specs, order),
-            "buffers": [plan_buffer_report(specs, int(round(m * MIB)), order)
-                        for m in buffer_mib],
-        }
-    return out
+    flags.register_validator("sections", lambda s: bool(s) and set(s) <= set(SECTIONS),
+                             f"--sections must be a non-empty subset of {list(SECTIONS)}")
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -284,7 +116,7 @@ def measure_ready_times(model: keras.Model, batch: int, image_size: int, warmup:
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal((batch, image_size, image_size, 3), dtype=np.float32))
     y = tf.constant(rng.integers(0, classes, size=(batch,)), dtype=tf.int32)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = model.trainable_variables
 
     def step() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -336,15 +168,15 @@ def _sim_summary(result: dict) -> dict:
         "collectives": result["collectives"],
         "fused_bytes_per_cycle": result["fused_bytes_per_cycle"],
         "largest_bytes": result["largest_bytes"], "smallest_bytes": result["smallest_bytes"],
-        "imbalance": _num(result["imbalance"]),
-        "last_start_s": _num(result["last_start_s"], 6),
+        "imbalance": finite_round(result["imbalance"]),
+        "last_start_s": finite_round(result["last_start_s"], 6),
     }
 
 
 def simulation_section(model_name: str, image_size: int, batch: int, warmup: int, steps: int,
                        cycle_ms: float, buffer_divisor: int) -> dict:
     """``simulation``: measured ready times through the balanced and Horovod schedulers."""
-    model = build_model(model_name, image_size)
+    model = build_image_model(model_name, image_size, 10)
     specs = tensor_specs(model.trainable_variables)
     order = model_execution_order(model)
     ready, forward_s, backward_s = measure_ready_times(model, batch, image_size, warmup, steps)
@@ -358,144 +190,15 @@ def simulation_section(model_name: str, image_size: int, batch: int, warmup: int
         "model": model_name, "image_size": image_size, "batch": batch, "warmup": warmup,
         "steps": steps, "tensors": len(specs), "total_bytes": total,
         "buffer_bytes": buffer_bytes, "cycle_s": cycle_s,
-        "forward_s": _num(forward_s, 6), "backward_s": _num(backward_s, 6),
-        "ready_order_inversions": _num(_order_inversions(ready)),
-        "ready_order_inversions_derived": _num(_order_inversions(ready, order)),
+        "forward_s": finite_round(forward_s, 6), "backward_s": finite_round(backward_s, 6),
+        "ready_order_inversions": finite_round(_order_inversions(ready)),
+        "ready_order_inversions_derived": finite_round(_order_inversions(ready, order)),
         "ready_times_s": [round(t, 6) for t in ready],
         "methods": {
             "balanced": _sim_summary(simulate(plan, ready, cycle_s)),
             "horovod_cycles": _sim_summary(
                 simulate_greedy_cycles(specs, ready, cycle_s, buffer_bytes)),
         },
-    }
-
-
-# ----------------------------------------------------------------------------- step time
-
-
-def _reduce(ctx: tf.distribute.ReplicaContext, grads: list[tf.Tensor], method: str,
-            plan: FusionPlan, pack_bytes: int) -> list[tf.Tensor]:
-    """SUM-all-reduces ``grads`` across replicas with one of :data:`STEP_METHODS`."""
-    op = tf.distribute.ReduceOp.SUM
-    if method == "per_tensor":
-        return [ctx.all_reduce(op, g) for g in grads]
-    if method == "tf_default":
-        return list(ctx.all_reduce(op, grads))
-    if method == "tf_bytes_per_pack":
-        options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=pack_bytes)
-        return list(ctx.all_reduce(op, grads, options=options))
-    if method != "balanced":
-        raise ValueError(f"unknown method {method!r}")
-    out: list[tf.Tensor | None] = [None] * len(grads)
-    for group in plan.groups:
-        members = list(group.members)
-        parts = [tf.reshape(grads[i], [-1]) for i in members]
-        summed = ctx.all_reduce(op, parts[0] if len(parts) == 1 else tf.concat(parts, 0))
-        sizes = [int(grads[i].shape.num_elements()) for i in members]
-        pieces = tf.split(summed, sizes) if len(sizes) > 1 else [summed]
-        for i, piece in zip(members, pieces):
-            out[i] = tf.reshape(piece, grads[i].shape)
-    return out  # type: ignore[return-value]
-
-
-def make_train_step(strategy: tf.distribute.Strategy, model: keras.Model, method: str,
-                    plan: FusionPlan, pack_bytes: int, batch: int,
-                    lr: float = 1e-3) -> Any:
-    """A ``tf.function`` running one 2-replica SGD step with the given gradient reduction."""
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction="sum")
-    variables = model.trainable_variables
-
-    def apply(strat: tf.distribute.Strategy, pairs: list[tuple[Any, Any]]) -> None:
-        for grad, var in pairs:
-            strat.extended.update(var, lambda v, g: v.assign_sub(lr * g), args=(grad,))
-
-    def replica_fn(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        ctx = tf.distribute.get_replica_context()
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True)) / (batch * ctx.num_replicas_in_sync)
-        grads = tape.gradient(loss, variables)
-        reduced = _reduce(ctx, grads, method, plan, pack_bytes)
-        ctx.merge_call(apply, args=(list(zip(reduced, [v.value for v in variables])),))
-        return loss
-
-    @tf.function
-    def train_step(x: Any, y: Any) -> tf.Tensor:
-        per_replica = strategy.run(replica_fn, args=(x, y))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-    return train_step
-
-
-def random_replica_batch(strategy: tf.distribute.Strategy, batch: int, image_size: int,
-                         classes: int) -> tuple[Any, Any]:
-    """A fixed random batch per replica (``x`` [batch, size, size, 3], ``y`` [batch])."""
-
-    def data(ctx: tf.distribute.experimental.ValueContext, labels: bool) -> tf.Tensor:
-        rng = np.random.default_rng(ctx.replica_id_in_sync_group)
-        if labels:
-            return tf.constant(rng.integers(0, classes, size=(batch,)), dtype=tf.int32)
-        return tf.constant(rng.standard_normal((batch, image_size, image_size, 3),
-                                               dtype=np.float32))
-
-    x = strategy.experimental_distribute_values_from_function(lambda c: data(c, False))
-    y = strategy.experimental_distribute_values_from_function(lambda c: data(c, True))
-    return x, y
-
-
-def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_size: int,
-                      batch: int, warmup: int, repeats: int, pack_mib: float,
-                      classes: int = 10) -> dict:
-    """``step_time``: the reductions timed interleaved (A B C D E A B C D E ...); E is
-    ``FusedCrossDeviceOps(plan=...)`` itself, under its own ``MirroredStrategy``."""
-    with strategy.scope():
-        model = build_model(model_name, image_size, classes)
-    specs = tensor_specs(model.trainable_variables)
-    pack_bytes = int(round(pack_mib * MIB))
-    plan = plan_balanced(specs, pack_bytes, model_execution_order(model))
-    collectives = {
-        "per_tensor": len(specs), "tf_default": 1,
-        "tf_bytes_per_pack": len(plan_tf_group_by_size(specs, pack_bytes).groups),
-        "balanced": len(plan.groups),
-    }
-
-    x, y = random_replica_batch(strategy, batch, image_size, classes)
-    steps = {m: (make_train_step(strategy, model, m, plan, pack_bytes, batch), x, y)
-             for m in STEP_METHODS}
-    # The shipped adapter: a MirroredStrategy whose cross-device ops follow the plan (its
-    # reductions are one-device sums, like TF's CPU default, so no collective keys clash).
-    fused = tf.distribute.MirroredStrategy(
-        strategy.extended.worker_devices, cross_device_ops=FusedCrossDeviceOps(plan=plan))
-    with fused.scope():
-        fused_model = build_model(model_name, image_size, classes)
-    steps["fused_cross_device_ops"] = (
-        make_train_step(fused, fused_model, "tf_default", plan, pack_bytes, batch),
-        *random_replica_batch(fused, batch, image_size, classes))
-    collectives["fused_cross_device_ops"] = len(plan.groups)
-    trace_s = {}
-    for m, (fn, xs, ys) in steps.items():
-        t0 = time.perf_counter()
-        fn(xs, ys).numpy()
-        trace_s[m] = time.perf_counter() - t0
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    for r in range(warmup + repeats):
-        for m, (fn, xs, ys) in steps.items():
-            t0 = time.perf_counter()
-            fn(xs, ys).numpy()
-            if r >= warmup:
-                times[m].append(1000 * (time.perf_counter() - t0))
-    median = {m: statistics.median(t) for m, t in times.items()}
-    return {
-        "model": model_name, "image_size": image_size, "batch_per_replica": batch,
-        "replicas": strategy.num_replicas_in_sync,
-        "cross_device_ops": type(strategy.extended._cross_device_ops).__name__,
-        "variables": len(specs), "total_bytes": sum(s.nbytes for s in specs),
-        "buffer_bytes": pack_bytes, "warmup": warmup, "repeats": repeats,
-        "update": UPDATE_NOTE,
-        "methods": {m: {
-            "median_ms": round(median[m], 3), "times_ms": [round(t, 3) for t in times[m]],
-            "ratio_vs_tf_default": round(median[m] / median["tf_default"], 4),
-            "collectives_per_step": collectives[m], "first_call_s": round(trace_s[m], 3),
-        } for m in steps},
     }
 
 
@@ -539,19 +242,19 @@ def run(buffer_mib: Sequence[float] = (4, 16, 25, 64),
             t0 = time.perf_counter()
             record[name] = runners[name]()
             record["section_seconds"][name] = round(time.perf_counter() - t0, 2)
-    record["machine"] = machine_info()
+    record["machine"] = runtime.machine_info()
     return record
 
 
 def _default_strategy() -> tf.distribute.MirroredStrategy:
-    ensure_logical_cpus(2)
+    runtime.logical_cpus(2)
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
 def main(argv: list[str]) -> None:
     """Prints :func:`run`'s record for the flags as one JSON object."""
     del argv
-    ensure_logical_cpus(2)
+    runtime.logical_cpus(2)
     print(json.dumps(run(
         buffer_mib=[float(m) for m in FLAGS.buffer_mib], plan_models=FLAGS.plan_models,
         sim_model=FLAGS.sim_model, sim_image_size=FLAGS.sim_image_size,
@@ -563,5 +266,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

@@ -1,6 +1,6 @@
 """Hybrid conv/FC training benchmark: the FC head offloaded to host memory vs on the device.
 
-    python launch/bench_hybrid.py [--device_memory_budget=32] [--fc_units=1024] [--steps=8]
+    python -m launch.bench_hybrid [--device_memory_budget=32] [--fc_units=1024] [--steps=8]
 
 ``vgg_fc`` (``--image_size`` x ``--image_size`` x 1, ``--fc_units``-wide head; with the defaults
 the head holds ~98% of the parameters) is split at its conv/FC boundary and profiled layer by
@@ -35,16 +35,12 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import statistics
-import sys
-import time
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+from launch import script
 
 FLAGS = flags.FLAGS
 MIB = 2**20
@@ -66,6 +62,7 @@ def define_flags() -> None:
     flags.DEFINE_float("link_bandwidth", 12.5, "GB/s node-to-node (cost model).",
                        lower_bound=1e-9)
     flags.DEFINE_float("density", 0.01, "Block density of the block-sparse run.")
+    flags.register_validator("density", lambda d: 0.0 < d <= 1.0, "--density must be in (0, 1]")
     flags.DEFINE_integer("warmup_steps", 2, "Untimed steps per configuration.", lower_bound=1)
     flags.DEFINE_integer("steps", 8, "Timed steps per configuration (median).", lower_bound=1)
     flags.DEFINE_integer("profile_repeats", 3, "Timed calls per profiled layer function.",
@@ -105,24 +102,23 @@ def time_trainer(trainer: Any, batches: list, warmup: int) -> float:
     for x, y in batches[:warmup]:
         trainer.train_step(x, y)
     tf.test.experimental.sync_devices()
-    times = []
-    for x, y in batches[warmup:]:
-        start = time.perf_counter()
-        float(trainer.train_step(x, y))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    from launch import runtime
+
+    return statistics.median(runtime.time_call(lambda x=x, y=y: trainer.train_step(x, y))
+                             for x, y in batches[warmup:])
 
 
 def run(f: Any = FLAGS) -> dict[str, Any]:
     """Runs the benchmark; returns (and prints) the JSON record."""
-    from launch.train_hybrid import hybrid_devices
+    from launch.hybrid_setup import hybrid_devices
 
     devices = hybrid_devices(f.conv_replicas, f.fc_replicas)
     import keras
     import numpy as np
     import tensorflow as tf
 
-    from models.vgg import head_fraction, vgg_fc
+    from models import registry
+    from models.vgg import head_fraction
     from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
     from tf_blocksparse.keras.hybrid_split import layer_memory
     from tf_blocksparse.keras.profiler import measure_layers
@@ -131,7 +127,7 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
     shape = (f.image_size, f.image_size, 1)
 
     def build() -> keras.Model:
-        return vgg_fc(shape, 10, fc_units=f.fc_units, seed=f.seed)
+        return registry.build_model("vgg_fc", shape, 10, fc_units=f.fc_units, seed=f.seed)
 
     model = build()
     sgd = keras.optimizers.SGD(0.01, momentum=0.9)
@@ -217,5 +213,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

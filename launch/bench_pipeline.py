@@ -1,4 +1,4 @@
-"""Pipeline training (SPEC S3): host run of a planned pipeline, and simulated large-model plans.
+"""Pipeline training: host run of a planned pipeline, and simulated large-model plans.
 
 Prints one JSON object with:
 
@@ -28,8 +28,8 @@ Prints one JSON object with:
     Seconds of each planner on a random ``--plan_layers``-layer profile and ``--plan_devices``
     heterogeneous devices.
 
-    python launch/bench_pipeline.py [--logical_devices=2] [--big_models=resnet50,vgg16]
-    python launch/bench_pipeline.py --big_models= --steps=3   # host part only, quick
+    python -m launch.bench_pipeline [--logical_devices=2] [--big_models=resnet50,vgg16]
+    python -m launch.bench_pipeline --big_models= --steps=3   # host part only, quick
 """
 
 from __future__ import annotations
@@ -37,22 +37,20 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import flags
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from models.registry import build_model  # noqa: E402
-from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer  # noqa: E402
-from tf_blocksparse.keras.profiler import profile_model  # noqa: E402
-from tf_blocksparse.planning import (  # noqa: E402
+from launch import runtime, script
+from models.registry import build_model
+from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
+from tf_blocksparse.keras.profiler import profile_model
+from tf_blocksparse.planning import (
     ModelProfile,
     PipelinePlan,
     Topology,
@@ -73,52 +71,42 @@ PLANNERS: dict[str, Callable[[ModelProfile, Topology], PipelinePlan]] = {
 
 def define_flags() -> None:
     """Defines the script's flags (only called when run as a script)."""
-    flags.DEFINE_integer("logical_devices", 2, "Logical CPUs to configure (CPU hosts).")
+    flags.DEFINE_integer("logical_devices", 2, "Logical CPUs to configure (CPU hosts).",
+                         lower_bound=1)
     flags.DEFINE_string("model", "cnn_small", "Registry model of the host run (a chain).")
-    flags.DEFINE_integer("image_size", 32, "Input height/width of the host model.")
-    flags.DEFINE_integer("batch", 32, "Mini-batch size of the host run.")
-    flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch.")
-    flags.DEFINE_integer("warmup_steps", 2, "Untimed pipeline steps.")
-    flags.DEFINE_integer("steps", 10, "Timed pipeline steps (median).")
-    flags.DEFINE_integer("profile_warmup", 2, "Untimed calls per profiled layer function.")
-    flags.DEFINE_integer("profile_repeats", 5, "Timed calls per profiled layer function.")
+    flags.DEFINE_integer("image_size", 32, "Input height/width of the host model.", lower_bound=1)
+    flags.DEFINE_integer("batch", 32, "Mini-batch size of the host run.", lower_bound=1)
+    flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch.", lower_bound=1)
+    flags.DEFINE_integer("warmup_steps", 2, "Untimed pipeline steps.", lower_bound=0)
+    flags.DEFINE_integer("steps", 10, "Timed pipeline steps (median).", lower_bound=1)
+    flags.DEFINE_integer("profile_warmup", 2, "Untimed calls per profiled layer function.",
+                         lower_bound=0)
+    flags.DEFINE_integer("profile_repeats", 5, "Timed calls per profiled layer function.",
+                         lower_bound=1)
     flags.DEFINE_float("bandwidth_mib", 64.0, "Tensor size of the bandwidth measurement.")
+    flags.register_validator("bandwidth_mib", lambda v: v > 0, "--bandwidth_mib must be > 0")
     flags.DEFINE_list("big_models", ["resnet50", "vgg16"], "Models of the simulated section.")
-    flags.DEFINE_integer("big_image_size", 64, "Input height/width of the profiled big models.")
-    flags.DEFINE_integer("big_batch", 8, "Micro-batch size of the profiled big models.")
-    flags.DEFINE_integer("big_repeats", 3, "Timed calls per layer function (big models).")
-    flags.DEFINE_integer("sim_devices", 16, "Devices of the heterogeneous topology.")
+    flags.DEFINE_integer("big_image_size", 64, "Input height/width of the profiled big models.",
+                         lower_bound=1)
+    flags.DEFINE_integer("big_batch", 8, "Micro-batch size of the profiled big models.",
+                         lower_bound=1)
+    flags.DEFINE_integer("big_repeats", 3, "Timed calls per layer function (big models).",
+                         lower_bound=1)
+    flags.DEFINE_integer("sim_devices", 16, "Devices of the heterogeneous topology.", lower_bound=1)
     flags.DEFINE_float("base_bandwidth", 1.25e9, "Fastest link, bytes/s (10 Gb/s).")
+    flags.register_validator("base_bandwidth", lambda v: v > 0, "--base_bandwidth must be > 0")
     flags.DEFINE_float("spread", 0.8, "Links uniform in [(1 - spread), 1] * base_bandwidth.")
+    flags.register_validator("spread", lambda v: 0.0 <= v < 1.0, "--spread must be in [0, 1)")
     flags.DEFINE_integer("topology_seed", 0, "Seed of the heterogeneous topology.")
-    flags.DEFINE_integer("sim_micro_batches", 16, "Micro-batches of the simulations.")
-    flags.DEFINE_integer("plan_layers", 200, "Layers of the planning-time profile.")
-    flags.DEFINE_integer("plan_devices", 16, "Devices of the planning-time topology.")
-
-
-def ensure_logical_cpus(count: int) -> None:
-    """Splits the physical CPU into ``count`` logical devices (before TF initialises)."""
-    if tf.config.list_physical_devices("GPU"):
-        return
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-    except RuntimeError as err:
-        if len(tf.config.list_logical_devices("CPU")) < count:
-            raise RuntimeError(f"need {count} logical CPUs before TF initialises") from err
+    flags.DEFINE_integer("sim_micro_batches", 16, "Micro-batches of the simulations.",
+                         lower_bound=1)
+    flags.DEFINE_integer("plan_layers", 200, "Layers of the planning-time profile.", lower_bound=1)
+    flags.DEFINE_integer("plan_devices", 16, "Devices of the planning-time topology.",
+                         lower_bound=1)
 
 
 def _median(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        tf.test.experimental.sync_devices()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return runtime.median_seconds(fn, repeats, warmup, sync=tf.test.experimental.sync_devices)
 
 
 def measure_bandwidth(devices: list[str], mib: float) -> dict:
@@ -267,7 +255,7 @@ def run(**kw: Any) -> dict:
 def main(argv: list[str]) -> None:
     """Prints :func:`run`'s record for the flags as one JSON object."""
     del argv
-    ensure_logical_cpus(FLAGS.logical_devices)
+    runtime.logical_cpus(FLAGS.logical_devices, skip_on_gpu=True)
     names = ("model", "image_size", "batch", "micro_batches", "warmup_steps", "steps",
              "profile_warmup", "profile_repeats", "bandwidth_mib", "big_image_size",
              "big_batch", "big_repeats", "sim_devices", "base_bandwidth", "spread",
@@ -278,5 +266,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

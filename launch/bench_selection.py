@@ -7,27 +7,22 @@ on each flattened tensor for the same number of elements), ``read_pass_ms`` (one
 ``reduce_sum(abs(g))`` over all tensors), ``accumulate_pass_ms`` (``residual += grad`` over
 all tensors), ratios, and one step's ``payload_bytes`` / ``dense_bytes``.
 
-    python launch/bench_selection.py [--k=1 | --density=0.01] [--metric=l1] [--repeats=7]
+    python -m launch.bench_selection [--k=1 | --density=0.01] [--metric=l1] [--repeats=7]
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
-import statistics
-import time
 from collections.abc import Callable
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+import tensorflow as tf
+from absl import flags
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from tf_blocksparse import blocks, codec, selection  # noqa: E402
-from tf_blocksparse.feedback import BlockTopK  # noqa: E402
+from launch import runtime, script
+from models import registry
+from tf_blocksparse import blocks, codec, selection
+from tf_blocksparse.feedback import BlockTopK
 
 FLAGS = flags.FLAGS
 
@@ -36,27 +31,26 @@ def define_flags() -> None:
     flags.DEFINE_integer("k", None, "Blocks kept per variable (default 1).")
     flags.DEFINE_float("density", None, "Fraction of blocks kept per variable.")
     flags.DEFINE_enum("metric", "l1", ["l1", "l2"], "Block score.")
-    flags.DEFINE_integer("repeats", 9, "Timed runs per measurement (median reported).")
-    flags.DEFINE_string("model", "resnet50", "keras.applications model: resnet50 or vgg16.")
+    flags.DEFINE_integer("repeats", 9, "Timed runs per measurement (median reported).",
+                         lower_bound=1)
+    flags.DEFINE_enum("model", "resnet50", ["resnet50", "vgg16"], "Registry model whose "
+                      "variables are selected from.")
+    flags.register_validator("k", lambda k: k is None or k >= 1, "--k must be >= 1")
+    flags.register_validator("density", lambda d: d is None or 0.0 < d <= 1.0,
+                             "--density must be in (0, 1]")
+    flags.register_multi_flags_validator(
+        ["k", "density"], lambda f: f["k"] is None or f["density"] is None,
+        "give at most one of --k and --density")
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # trace + warm up
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return 1000 * runtime.median_seconds(fn, repeats, warmup=2)
 
 
 def measure(model_name: str, k: int | None, density: float | None, metric: str,
             repeats: int) -> dict:
     """Builds the variable set, runs every measurement side by side, returns the record."""
-    builder = {"resnet50": keras.applications.ResNet50, "vgg16": keras.applications.VGG16}
-    model = builder[model_name](weights=None)
+    model = registry.build_image_model(model_name)
     layouts = blocks.layouts_for(model.trainable_variables, model)
     del model
     comp = BlockTopK(layouts, k=k, density=density, metric=metric)
@@ -112,9 +106,7 @@ def measure(model_name: str, k: int | None, density: float | None, metric: str,
         "flat_topk_over_select": round(timings["flat_topk_ms"] / timings["select_ms"], 3),
         "payload_bytes": payload, "dense_bytes": dense,
         "compression_ratio": round(dense / payload, 1),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "tensorflow": tf.__version__,
-                    "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU"},
+        "machine": runtime.machine_info(),
     }
 
 
@@ -125,5 +117,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

@@ -20,7 +20,7 @@ their time to target is the training time until they first reach it.
 Writes ``OUT/time_to_accuracy.json`` (one record per model x bandwidth x method, plus the
 budget) and ``OUT/time_to_accuracy.png`` (accuracy vs training time and vs bytes).
 
-    python launch/bench_time_to_accuracy.py [--models=vgg_fc,resnet20]
+    python -m launch.bench_time_to_accuracy [--models=vgg_fc,resnet20]
         [--bandwidths_mbit=100,1000] [--epochs=6] [--steps_per_epoch=20] [--density=0.01]
 """
 
@@ -33,12 +33,11 @@ import sys
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from launch import experiments  # noqa: E402
+from launch import experiments, script
+from launch import flags as train_flags
 
 FLAGS = flags.FLAGS
-TTA_METHODS = ("dense", "block_allgather", "block_shared", "topk")
+TTA_METHODS = experiments.TIME_TO_ACCURACY_METHODS
 
 
 def define_flags() -> None:
@@ -48,8 +47,15 @@ def define_flags() -> None:
     flags.DEFINE_float("latency_ms", 0.0, "One-way delay added on every shaped link (needs "
                        "the kernel's netem module).")
     flags.DEFINE_list("methods", list(TTA_METHODS), "Methods (dense first).")
-    flags.DEFINE_integer("num_workers", 4, "Worker processes.")
+    flags.DEFINE_integer("num_workers", 4, "Worker processes.", lower_bound=1)
     flags.DEFINE_float("density", 0.05, "Fraction kept by block and element top-k.")
+    flags.register_validator("density", lambda d: 0.0 < d <= 1.0, "--density must be in (0, 1]")
+    flags.register_validator("methods", lambda m: experiments.known_methods(m, TTA_METHODS),
+                             f"--methods must be a non-empty list of {list(TTA_METHODS)}")
+    flags.register_validator("models", lambda m: experiments.known_methods(
+        m, train_flags.MODELS), f"--models must be a non-empty list of {train_flags.MODELS}")
+    flags.register_validator("bandwidths_mbit", _positive_numbers,
+                             "--bandwidths_mbit must be a list of numbers > 0")
     flags.DEFINE_integer("epochs", 6, "Epochs of the dense run (one test evaluation each).")
     flags.DEFINE_integer("sparse_epoch_factor", 4, "Sparse methods may train this many times "
                          "as many epochs (they stop counting once they reach the target).")
@@ -83,6 +89,13 @@ def define_flags() -> None:
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
     flags.DEFINE_float("run_timeout_s", 1800, "Kill a run after this long.")
+
+
+def _positive_numbers(values: list[str]) -> bool:
+    try:
+        return bool(values) and all(float(v) > 0 for v in values)
+    except ValueError:
+        return False
 
 
 def steady_step_s(record: dict) -> float | None:
@@ -245,5 +258,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

@@ -16,7 +16,7 @@ accuracy, bytes each worker hands to the collectives per step, compression ratio
 time), writes ``OUT/results.json`` and ``OUT/accuracy_vs_bytes.png``.  Accuracies count every
 image of the test set exactly once; TF op determinism is on, so a re-run reproduces them.
 
-    python launch/demo.py [--epochs=3] [--train_samples=20000] [--out=runs/demo]
+    python -m launch.demo [--epochs=3] [--train_samples=20000] [--out=runs/demo]
 """
 
 from __future__ import annotations
@@ -25,31 +25,31 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from launch import data  # noqa: E402
-from launch.local_cluster import run_local_cluster  # noqa: E402
+from launch import data, experiments, script
+from launch import flags as train_flags
+from launch.cluster.local import run_local_cluster
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = {
-    "dense": ["--compression=dense"],
-    "block default": ["--compression=block"],
-    "block literal": ["--compression=block", "--k=1", "--global_momentum", "--dense_below=0"],
-}
+METHODS = experiments.DEMO_METHODS
+TRAIN_MODELS = train_flags.MODELS
 
 
 def define_flags() -> None:
-    flags.DEFINE_integer("epochs", 3, "Epochs per method.")
+    flags.DEFINE_integer("epochs", 3, "Epochs per method.", lower_bound=1)
     flags.DEFINE_integer("train_samples", 20000, "Training subset (0 = all 60000).")
     flags.DEFINE_integer("test_samples", 0, "Test subset (0 = the whole test set).")
-    flags.DEFINE_integer("num_workers", 2, "Worker processes.")
+    flags.DEFINE_integer("num_workers", 2, "Worker processes.", lower_bound=1)
     flags.DEFINE_string("model", "cnn_small", "Model (see launch/train.py --model).")
     flags.DEFINE_string("out", "runs/demo", "Output directory.")
     flags.DEFINE_list("methods", list(METHODS), "Which of the methods to run.")
+    flags.register_validator("methods", lambda m: experiments.known_methods(m, list(METHODS)),
+                             f"--methods must be a non-empty list of {list(METHODS)}")
+    flags.register_validator("model", lambda m: m in TRAIN_MODELS,
+                             f"--model must be one of {TRAIN_MODELS}")
 
 
 def _plot(rows: list[dict], path: str) -> None:
@@ -82,19 +82,17 @@ def main(argv: list[str]) -> None:
     os.makedirs(FLAGS.out, exist_ok=True)
     rows = []
     for name in FLAGS.methods:
-        if name not in METHODS:
-            raise app.UsageError(f"--methods: unknown method {name!r}; one of {list(METHODS)}")
         run_dir = os.path.join(FLAGS.out, name.replace(" ", "_").replace("%", "pct")
                                .replace("=", ""))
-        cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
+        cmd = [sys.executable, "-m", "launch.train",
                "--strategy=multiworker", f"--dataset={dataset}", f"--model={FLAGS.model}",
                f"--epochs={FLAGS.epochs}", f"--train_samples={FLAGS.train_samples}",
                f"--test_samples={FLAGS.test_samples}", f"--model_dir={run_dir}",
                "--batch_size=64", "--lr=0.05", "--momentum=0.9", "--deterministic",
-               *METHODS[name]]
+               *experiments.method_flags(METHODS[name], 0.01)]
         print(f"=== {name}: {' '.join(cmd[1:])}", flush=True)
-        rc = run_local_cluster(cmd, FLAGS.num_workers,
-                               env={"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+        rc = run_local_cluster(cmd, FLAGS.num_workers, cwd=ROOT,
+                               env={"TF_CPP_MIN_LOG_LEVEL": "2"})
         if rc != 0:
             raise SystemExit(f"{name}: the cluster failed with exit code {rc}")
         with open(os.path.join(run_dir, "metrics.json")) as f:
@@ -125,5 +123,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

@@ -1,9 +1,9 @@
 """Shared pieces of the evidence benchmarks: run one multi-worker training job, read its
 metrics, derive time-to-accuracy, and plot.
 
-A *run* is a real ``launch/local_cluster.py`` cluster of ``launch/train.py`` workers under
+A *run* is a real ``launch.cluster.local`` cluster of ``launch/train.py`` workers under
 ``MultiWorkerMirroredStrategy`` on real data (optionally on a shaped network: every worker in
-its own network namespace, see ``launch/netem.py``); its chief's ``metrics.json`` gives the
+its own network namespace, see ``launch/cluster/netem.py``); its chief's ``metrics.json`` gives the
 per-epoch test accuracy (``history["val_accuracy"]``), the cumulative training seconds at the
 end of each epoch (validation excluded, ``train_s_per_epoch``) and the bytes each worker hands
 to the collectives per step.
@@ -19,17 +19,42 @@ import time
 from collections.abc import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(ROOT, "launch", "train.py")
+#: The worker command: ``launch.train`` as a module, started in :data:`ROOT`.
+TRAIN = [sys.executable, "-m", "launch.train"]
 
-#: Method name -> ``launch/train.py`` flags (``{density}`` filled in by :func:`method_flags`).
-METHODS = {
-    "dense": ["--compression=dense"],
-    "block_default": ["--compression=block"],
-    "block_allgather": ["--compression=block", "--density={density}", "--exchange=allgather"],
-    "block_shared": ["--compression=block", "--density={density}", "--exchange=shared"],
-    "block_k1": ["--compression=block", "--k=1", "--exchange=allgather"],
-    "topk": ["--compression=topk", "--density={density}", "--exchange=allgather"],
+_K1 = ("--compression=block", "--k=1", "--exchange=allgather")
+#: The one table of the exchange methods the scripts compare: name -> ``launch.train`` flags
+#: (``{density}`` filled in by :func:`method_flags`).  Every sparse method takes the
+#: library's defaults for what it does not set.
+METHODS: dict[str, tuple[str, ...]] = {
+    "dense": ("--compression=dense",),
+    # BlockSparseOptimizer(SGD(lr, momentum=0.9)): k=1, momentum before the exchange (DGC
+    # correction), variables under 1,024 elements sent whole.
+    "block_default": ("--compression=block",),
+    "block_allgather": ("--compression=block", "--density={density}", "--exchange=allgather"),
+    "block_shared": ("--compression=block", "--density={density}", "--exchange=shared"),
+    "block_k1": _K1,
+    # The literal configuration: k=1 on every variable, global momentum after the exchange.
+    "block_source": (*_K1, "--global_momentum", "--dense_below=0"),
+    # k=1 on every variable with DGC's local momentum (the default without dense_below).
+    "block_k1_dgc": (*_K1, "--dense_below=0"),
+    "block_k1_waited": ("--compression=block", "--momentum_masking=waited"),
+    "topk": ("--compression=topk", "--density={density}", "--exchange=allgather"),
+    "topk_1pct": ("--compression=topk", "--density=0.01", "--exchange=allgather"),
 }
+#: The methods of ``launch.demo`` under the names its table prints.
+DEMO_METHODS = {"dense": "dense", "block default": "block_default",
+                "block literal": "block_source"}
+#: The methods ``launch.bench_convergence`` may run, in its table's order.
+CONVERGENCE_METHODS = ("dense", "block_default", "block_source", "block_k1_dgc",
+                       "block_k1_waited", "topk_1pct")
+#: The methods ``launch.bench_time_to_accuracy`` may run (dense sets the target).
+TIME_TO_ACCURACY_METHODS = ("dense", "block_allgather", "block_shared", "topk")
+
+
+def known_methods(names: Sequence[str], allowed: Sequence[str]) -> bool:
+    """Whether ``names`` is a non-empty list of ``allowed`` names (a flag validator)."""
+    return bool(names) and all(n in allowed for n in names)
 
 
 def method_flags(method: str, density: float) -> list[str]:
@@ -57,10 +82,10 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
     Returns:
         The ``metrics.json`` record plus ``launcher_wall_s``.
     """
-    from launch.local_cluster import run_local_cluster
+    from launch.cluster.local import run_local_cluster
 
     with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
-        cmd = [sys.executable, TRAIN, "--strategy=multiworker", f"--model_dir={tmp}",
+        cmd = [*TRAIN, "--strategy=multiworker", f"--model_dir={tmp}",
                "--deterministic",
                *method_flags(method, density), *train_flags]
         kwargs = {}
@@ -70,7 +95,7 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
         out = None if log else open(os.devnull, "w")  # noqa: SIM115
         try:
             rc = run_local_cluster(cmd, num_workers=num_workers, timeout_s=timeout_s or None,
-                                   log_dir=os.path.join(tmp, "logs"),
+                                   log_dir=os.path.join(tmp, "logs"), cwd=ROOT,
                                    **({} if log else {"stream": out}), **kwargs)
         finally:
             if out is not None:

@@ -1,10 +1,16 @@
-"""Every flag of ``launch/train.py``, defined in one place (``--helpfull`` lists them)."""
+"""The flags of ``launch.train`` (shared with ``launch.train_hybrid``), each validated at parsing.
+
+``launch.script.run`` makes them the running script's own, so its ``--help`` lists them.
+"""
 
 from __future__ import annotations
 
 from absl import flags
 
-MODELS = ["resnet20", "vgg_fc", "cnn_small", "gru_nmt"]
+from models.registry import DATASET_MODELS
+
+#: The registry models ``--model`` accepts (those that train on the launch data sets).
+MODELS = list(DATASET_MODELS)
 
 
 def _valid_densities(values: list[str]) -> bool:
@@ -12,6 +18,29 @@ def _valid_densities(values: list[str]) -> bool:
         return all(0.0 < float(v) <= 1.0 for v in values)
     except ValueError:
         return False
+
+
+_SPARSE_ONLY = ("k", "density", "density_warmup", "dense_below", "momentum_masking")
+
+
+def _dense_takes_no_sparse_options(values: dict) -> bool:
+    if values["compression"] != "dense":
+        return True
+    return all(values[name] in (None, []) for name in _SPARSE_ONLY)
+
+
+def _valid_shape(values: list[str]) -> bool:
+    try:
+        return bool(values) and all(int(v) >= 1 for v in values)
+    except ValueError:
+        return False
+
+
+def flag_names() -> list[str]:
+    """The names of the flags :func:`define_flags` defines, sorted."""
+    scratch = flags.FlagValues()
+    define_flags(scratch)
+    return sorted(scratch)
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -50,7 +79,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "local devices; multiworker: MultiWorkerMirroredStrategy from TF_CONFIG "
                       "or SLURM's environment.", **fv)
     flags.DEFINE_integer("num_devices", 2, "Local devices for --strategy=mirrored (logical "
-                         "CPUs are created when there are no GPUs).", **fv)
+                         "CPUs are created when there are no GPUs).", lower_bound=1, **fv)
     flags.DEFINE_enum("compression", "block", ["dense", "block", "topk"],
                       "dense: plain all-reduce; block: block-wise top-k with error feedback; "
                       "topk: element-wise top-k with error feedback (DGC/GRACE baseline).", **fv)
@@ -65,10 +94,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "this worker's shard).", lower_bound=0, **fv)
     flags.DEFINE_integer("batch_size", 64, "Global batch size (all workers together).",
                          lower_bound=1, **fv)
-    flags.DEFINE_float("lr", 0.05, "Learning rate.", **fv)
-    flags.DEFINE_float("momentum", 0.9, "SGD momentum.  Sparse methods keep it per worker "
-                       "before the exchange (DGC correction, the library's default) unless "
-                       "--global_momentum.", **fv)
+    flags.DEFINE_float("lr", 0.05, "Learning rate (> 0).", **fv)
+    flags.DEFINE_float("momentum", 0.9, "SGD momentum, in [0, 1].  Sparse methods keep it "
+                       "per worker before the exchange (DGC correction, the library's "
+                       "default) unless --global_momentum.", **fv)
     flags.DEFINE_boolean("global_momentum", False, "Sparse methods: apply the momentum after "
                          "the exchange (the inner SGD's global momentum, the literal form) "
                          "instead of per worker before it.  Dense is unaffected (the two are "
@@ -95,6 +124,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("fail_at_step", -1, "Fault injection for tests: worker "
                          "--fail_worker exits with code 17 after this many steps.", **fv)
     flags.DEFINE_integer("fail_worker", 1, "Worker index that --fail_at_step kills.", **fv)
+    flags.DEFINE_boolean("block_metrics", False, "Also print the block-sparse figures "
+                         "(payload_bytes, dense_bytes, compression, blocks_kept, residual_norm, "
+                         "skipped_steps) on the per-epoch progress line; metrics.json and "
+                         "TensorBoard always have them.", **fv)
     flags.DEFINE_string("dump_restored", None, "For tests: after restoring a backup, each "
                         "worker saves its local residuals to PATH.worker_<i>.npz.", **fv)
 
@@ -110,6 +143,21 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.register_multi_flags_validator(
         ["k", "density"], lambda f: f["k"] is None or f["density"] is None,
         "give at most one of --k and --density", **fv)
+    flags.register_validator("lr", lambda lr: lr > 0, "--lr must be > 0", **fv)
+    flags.register_validator("momentum", lambda m: 0.0 <= m <= 1.0,
+                             "--momentum must be in [0, 1]", **fv)
+    flags.register_validator("fail_worker", lambda w: w >= 0, "--fail_worker must be >= 0",
+                             **fv)
+    flags.register_validator(
+        "synthetic_shape", _valid_shape,
+        "--synthetic_shape must be a comma-separated list of positive integers", **fv)
+    flags.register_multi_flags_validator(
+        ["compression", *_SPARSE_ONLY], _dense_takes_no_sparse_options,
+        "--compression=dense sends every gradient whole: --k, --density, --density_warmup, "
+        "--dense_below and --momentum_masking apply only to --compression=block or topk", **fv)
+    flags.register_multi_flags_validator(
+        ["save_freq", "model_dir"], lambda f: not f["save_freq"] or f["model_dir"],
+        "--save_freq needs --model_dir (the backups go to MODEL_DIR/backup)", **fv)
     flags.register_validator(
         "dataset", lambda d: d in ("fashion_mnist", "digits", "synthetic", "toy_translation")
         or (d.startswith("tfds:") and len(d) > 5),

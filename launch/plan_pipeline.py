@@ -1,9 +1,9 @@
-"""Plan pipeline training of a registry model on a cluster (SPEC S3) and draw the plan.
+"""Plan pipeline training of a registry model on a cluster and draw the plan.
 
-    python launch/plan_pipeline.py --model=cnn_small --topology=random --num_devices=4 \\
+    python -m launch.plan_pipeline --model=cnn_small --topology=random --num_devices=4 \\
         --profile_repeats=3 --out=/tmp/plan_cnn_small
-    python launch/plan_pipeline.py --topology=two_level --num_devices=8 --devices_per_node=4
-    python launch/plan_pipeline.py --profile_json=P.json --topology_json=T.json --out=DIR
+    python -m launch.plan_pipeline --topology=two_level --num_devices=8 --devices_per_node=4
+    python -m launch.plan_pipeline --profile_json=P.json --topology_json=T.json --out=DIR
 
 1. Profile ``--model`` (an image model of ``models/registry.py``) layer by layer by real runs
    at the micro-batch size ``--batch_size`` (``tfbs.profile_model``: median of
@@ -28,14 +28,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+from launch import script
 
 if TYPE_CHECKING:
     from tf_blocksparse.planning import ModelProfile, PipelinePlan, Topology
@@ -73,6 +71,9 @@ def define_flags() -> None:
     flags.DEFINE_float("inter_bandwidth_gbit", 10.0, "two_level: links across nodes (Gbit/s).")
     flags.DEFINE_float("spread", 0.8, "random: links uniform in [(1 - spread), 1] x "
                        "--bandwidth_gbit.")
+    flags.register_validator("spread", lambda v: 0.0 <= v < 1.0, "--spread must be in [0, 1)")
+    for name in ("bandwidth_gbit", "intra_bandwidth_gbit", "inter_bandwidth_gbit"):
+        flags.register_validator(name, lambda v: v > 0, f"--{name} must be > 0")
     flags.DEFINE_integer("seed", 0, "Seed of the random topology, the model's initialisation "
                          "and the profiled batch.")
     flags.DEFINE_string("out", "plan_pipeline_out", "Output directory (created).")
@@ -299,5 +300,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

@@ -2,9 +2,9 @@
 
 Examples::
 
-  python launch/print_blocks.py --model=cnn_small
-  python launch/print_blocks.py --model=resnet50 --density=0.01
-  python launch/print_blocks.py --model=vgg16 --k=4 --json
+  python -m launch.print_blocks --model=cnn_small
+  python -m launch.print_blocks --model=resnet50 --density=0.01
+  python -m launch.print_blocks --model=vgg16 --k=4 --json
 
 With ``--k`` or ``--density`` every variable also shows how many blocks a step keeps and
 the payload fraction (kept values / variable size; block ids are extra, one int32 each).
@@ -14,42 +14,57 @@ from __future__ import annotations
 
 import json
 import math
-import pathlib
-import sys
 from collections.abc import Sequence
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import keras
+from absl import flags
 
-import keras  # noqa: E402
-from absl import app, flags  # noqa: E402
+from launch import script
+from models import registry
+from tf_blocksparse import blocks, selection
+from tf_blocksparse.feedback import validate_k_density
 
-from tf_blocksparse import blocks, selection  # noqa: E402
-from tf_blocksparse.feedback import validate_k_density  # noqa: E402
-
-MODELS = ("cnn_small", "resnet50", "vgg16")
-DEFAULT_INPUT_SHAPES = {"cnn_small": (32, 32, 3), "resnet50": (224, 224, 3),
-                        "vgg16": (224, 224, 3)}
+#: The registry's image models.
+MODELS = tuple(n for n in registry.MODELS if not registry.is_sequence_model(n))
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Defines this script's flags on ``flag_values`` (kept out of import time)."""
-    flags.DEFINE_enum("model", "cnn_small", list(MODELS), "Model to build.",
+    flags.DEFINE_enum("model", "cnn_small", list(MODELS), "Registry model to build.",
                       flag_values=flag_values)
     flags.DEFINE_string("input_shape", None,
                         "Comma separated input shape without the batch axis "
-                        "(default: 32,32,3 for cnn_small, 224,224,3 otherwise).",
+                        "(default: 224,224,3 for resnet50, resnet101 and vgg16, else "
+                        "32,32,3).",
                         flag_values=flag_values)
     flags.DEFINE_integer("k", None, "Blocks kept per variable.", flag_values=flag_values)
     flags.DEFINE_float("density", None, "Fraction of blocks kept per variable.",
                        flag_values=flag_values)
     flags.DEFINE_boolean("json", False, "Print the table as JSON.", flag_values=flag_values)
+    flags.register_validator("k", lambda k: k is None or k >= 1, "--k must be >= 1",
+                             flag_values=flag_values)
+    flags.register_validator("density", lambda d: d is None or 0.0 < d <= 1.0,
+                             "--density must be in (0, 1]", flag_values=flag_values)
+    flags.register_multi_flags_validator(
+        ["k", "density"], lambda f: f["k"] is None or f["density"] is None,
+        "give at most one of --k and --density", flag_values=flag_values)
+    flags.register_validator("input_shape", _valid_input_shape,
+                             "--input_shape must be comma separated positive ints",
+                             flag_values=flag_values)
+
+
+def _valid_input_shape(text: str | None) -> bool:
+    try:
+        parse_input_shape(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_input_shape(text: str | None, model: str = "cnn_small") -> tuple[int, ...]:
     """``"32,32,3"`` -> ``(32, 32, 3)``; ``None``/empty -> the model's default."""
     if not text:
-        return DEFAULT_INPUT_SHAPES[model]
+        return registry.default_input(model)[0]
     try:
         shape = tuple(int(d) for d in text.split(","))
     except ValueError:
@@ -59,29 +74,12 @@ def parse_input_shape(text: str | None, model: str = "cnn_small") -> tuple[int, 
     return shape
 
 
-def cnn_small(input_shape: Sequence[int] = (32, 32, 3), classes: int = 10) -> keras.Model:
-    """Conv2D(16) -> BN -> ReLU -> Conv2D(32) -> BN -> ReLU -> pool -> Dense(10)."""
-    layers = keras.layers
-    return keras.Sequential([
-        keras.Input(tuple(input_shape)),
-        layers.Conv2D(16, 3, padding="same", use_bias=False), layers.BatchNormalization(),
-        layers.ReLU(),
-        layers.Conv2D(32, 3, strides=2, padding="same", use_bias=False),
-        layers.BatchNormalization(), layers.ReLU(),
-        layers.GlobalAveragePooling2D(), layers.Dense(classes),
-    ], name="cnn_small")
-
-
 def build_model(name: str, input_shape: Sequence[int] | None = None) -> keras.Model:
-    """Builds one of :data:`MODELS` with random weights (nothing is downloaded)."""
+    """Registry model ``name`` with random weights at ``input_shape`` (default: its own)."""
     if name not in MODELS:
         raise ValueError(f"--model must be one of {MODELS}, got {name!r}")
-    shape = tuple(input_shape) if input_shape else DEFAULT_INPUT_SHAPES[name]
-    if name == "cnn_small":
-        return cnn_small(shape)
-    if name == "resnet50":
-        return keras.applications.ResNet50(weights=None, input_shape=shape)
-    return keras.applications.VGG16(weights=None, input_shape=shape)
+    shape, classes = registry.default_input(name)
+    return registry.build_model(name, tuple(input_shape) if input_shape else shape, classes)
 
 
 def _kept_rows(rows: Sequence[blocks.BlockTableRow], k: int | None, density: float | None
@@ -103,7 +101,7 @@ def render(model: str = "cnn_small", input_shape: Sequence[int] | None = None,
     selecting = k is not None or density is not None
     if selecting:
         k, density = validate_k_density(k, density)
-    shape = tuple(input_shape) if input_shape else DEFAULT_INPUT_SHAPES[model]
+    shape = tuple(input_shape) if input_shape else registry.default_input(model)[0]
     rows = blocks.block_table(build_model(model, shape))
     kept = _kept_rows(rows, k, density) if selecting else None
     params = sum(math.prod(r.shape) for r in rows)
@@ -155,5 +153,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

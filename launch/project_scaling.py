@@ -22,7 +22,7 @@ Writes ``--out`` (JSON: inputs, assumptions, every projection, a sanity check of
 case against Horovod's published 512-GPU / 25 Gbit/s figures, a summary) and a markdown
 table next to it (same name, ``.md``), and prints the table.
 
-    python launch/project_scaling.py [--models=resnet50,vgg16] [--cpu_batch=4]
+    python -m launch.project_scaling [--models=resnet50,vgg16] [--cpu_batch=4]
         [--workers=8,16,...] [--bandwidths_gbit=1,10,25,100] [--alpha_us=25]
         [--gpu_compute_s=resnet50=0.292,vgg16=0.416] [--out=benchmarks/results/scaling.json]
 """
@@ -33,40 +33,35 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import app, flags
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from tf_blocksparse import blocks, codec  # noqa: E402
-from tf_blocksparse.feedback import BlockTopK  # noqa: E402
-from tf_blocksparse.planning import scaling  # noqa: E402
+from launch import runtime, script
+from launch.scaling_report import (
+    GPU_COMPUTE_S,
+    GPU_SOURCE,
+    HOROVOD,
+    estimate_gpu_select_s,
+    markdown_table,
+    project,
+    sanity_check,
+    selection_label,
+    summary,
+)
+from models import registry
+from tf_blocksparse import blocks, codec
+from tf_blocksparse.feedback import BlockTopK
 
 FLAGS = flags.FLAGS
 SCHEMA = "tf_blocksparse.scaling/1"
-BUILDERS: dict[str, Callable[..., keras.Model]] = {
-    "resnet50": keras.applications.ResNet50,
-    "resnet101": keras.applications.ResNet101,
-    "vgg16": keras.applications.VGG16,
-}
-#: Published single-P100 step times at batch 64 (see the module docstring): assumptions.
-GPU_COMPUTE_S = {"resnet50": 64 / 219, "vgg16": 64 / 154, "resnet101": 64 / 129}
-GPU_SOURCE = ("TensorFlow performance benchmarks (tf_cnn_benchmarks), NVIDIA DGX-1, 1x Tesla "
-              "P100, batch 64, synthetic data, May 2017: ResNet-50 219 img/s, VGG-16 154 "
-              "img/s; ResNet-101 interpolated by FLOPs between ResNet-50 and ResNet-152 "
-              "(91.8 img/s): ~129 img/s. Assumed, not measured here.")
-#: Horovod's published scaling efficiency, 512 GPUs (128 hosts x 4 Pascal GPUs), 25 Gbit/s.
-HOROVOD = {"resnet101": 0.90, "vgg16": 0.68}
-HOROVOD_SOURCE = ("Horovod README / Sergeev & Del Balso 2018 (arXiv:1802.05799): 90% for "
-                  "Inception V3 and ResNet-101, 68% for VGG-16, 512 Pascal GPUs, 25 Gbit/s "
-                  "RoCE")
+#: The registry's ImageNet networks this script can project.
+BUILDERS = registry.IMAGENET_MODELS
 DEFAULT_WORKERS = [8, 16, 32, 64, 128, 256, 512, 1024]
 DEFAULT_BANDWIDTHS = [1.0, 10.0, 25.0, 100.0]
 
@@ -80,9 +75,10 @@ def define_flags() -> None:
     flags.DEFINE_float("alpha_us", 25.0, "Latency per message (microseconds).")
     flags.DEFINE_float("overlap", 2 / 3, "Optimistic fraction of compute that hides "
                        "communication (the backward pass).")
-    flags.DEFINE_integer("image_size", 224, "Input height/width the models are built at.")
+    flags.DEFINE_integer("image_size", 224, "Input height/width the models are built at.",
+                         lower_bound=32)
     flags.DEFINE_integer("cpu_batch", 4, "Batch of the CPU forward+backward timing.")
-    flags.DEFINE_integer("repeats", 3, "Timed runs per measurement (median).")
+    flags.DEFINE_integer("repeats", 3, "Timed runs per measurement (median).", lower_bound=1)
     flags.DEFINE_integer("k", 1, "Blocks per variable of the k selection.")
     flags.DEFINE_float("density", 0.01, "Block fraction of the density selection.")
     flags.DEFINE_list("gpu_compute_s", [f"{m}={s:.3f}" for m, s in GPU_COMPUTE_S.items()],
@@ -98,27 +94,7 @@ def define_flags() -> None:
 
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     """Median wall time of ``fn`` (after one warm-up call), results fetched to host."""
-    fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        out = fn()
-        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def build_model(name: str, image_size: int) -> keras.Model:
-    """``keras.applications`` model ``name`` (weights=None, 1000 classes) at ``image_size``.
-
-    Raises:
-        ValueError: An unknown ``name`` or ``image_size < 32``.
-    """
-    if name not in BUILDERS:
-        raise ValueError(f"models must be among {sorted(BUILDERS)}, got {name!r}")
-    if image_size < 32:
-        raise ValueError(f"image_size must be >= 32, got {image_size}")
-    return BUILDERS[name](weights=None, input_shape=(image_size, image_size, 3))
+    return runtime.median_seconds(fn, max(1, repeats), warmup=1)
 
 
 def variable_bytes(model: keras.Model) -> list[int]:
@@ -131,7 +107,7 @@ def measure_compute(model: keras.Model, batch: int, repeats: int) -> float:
     shape = (batch, *model.input_shape[1:])
     x = tf.random.stateless_normal(shape, seed=(1, 2))
     y = tf.zeros((batch,), tf.int32)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
     def step():
@@ -193,147 +169,24 @@ def measure_selection(model: keras.Model, k: int | None, density: float | None,
     }
 
 
-def _label(sel: Mapping[str, Any]) -> str:
-    return f"k={sel['k']}" if sel["k"] is not None else f"density={sel['density']:g}"
-
-
 def measure(name: str, image_size: int, cpu_batch: int, repeats: int,
             selections: Sequence[tuple[int | None, float | None]]) -> dict[str, Any]:
     """Every measured input of one model."""
     keras.backend.clear_session()
-    model = build_model(name, image_size)
+    model = registry.build_image_model(name, image_size, 1000)
     sizes = variable_bytes(model)
     t0 = time.perf_counter()
     compute = measure_compute(model, cpu_batch, repeats)
     sels = {}
     for k, density in selections:
         sel = measure_selection(model, k, density, repeats)
-        sels[_label(sel)] = sel
+        sels[selection_label(sel)] = sel
     return {
         "parameters": int(sum(int(np.prod(v.shape)) for v in model.trainable_variables)),
         "variables": len(sizes), "image_size": image_size, "dense_bytes": sum(sizes),
         "tensor_bytes": sizes, "cpu_batch": cpu_batch, "cpu_compute_s": compute,
         "selections": sels, "measure_seconds": round(time.perf_counter() - t0, 1),
     }
-
-
-def _gpu_select_s(sel: Mapping[str, Any], dense_bytes: int, gpu_mem_gbps: float,
-                  override: float | None) -> float:
-    """The GPU selection time: ``override``, else the CPU ratio x a modelled GPU pass."""
-    if override is not None:
-        return override
-    ratio = sel["select_s_cpu"] / sel["accumulate_pass_s_cpu"]
-    return ratio * 3 * dense_bytes / (gpu_mem_gbps * 1e9)
-
-
-def project(models: Mapping[str, Mapping[str, Any]], workers: Sequence[int],
-            bandwidths_gbit: Sequence[float], alpha_s: float, overlap: float,
-            gpu_compute_s: Mapping[str, float]) -> list[dict[str, Any]]:
-    """Every (model, compute source, bandwidth, workers, mode, selection) projection."""
-    rows = []
-    for name, m in models.items():
-        sources = {"cpu_measured": m["cpu_compute_s"]}
-        if name in gpu_compute_s:
-            sources["gpu_assumed"] = gpu_compute_s[name]
-        for source, compute in sources.items():
-            for bw in bandwidths_gbit:
-                net = scaling.NetworkModel(bw, alpha_s)
-                for p in workers:
-                    cases: list[tuple[str, str | None, dict[str, Any]]] = [
-                        ("dense", None, {"dense_bytes": m["tensor_bytes"]}),
-                        ("dense_per_tensor", None,
-                         {"dense_bytes": m["tensor_bytes"], "fused": False})]
-                    for label, sel in m["selections"].items():
-                        sel_s = sel["select_s_cpu"] if source == "cpu_measured" \
-                            else sel["select_s_gpu"]
-                        cases.append(("allgather", label, {
-                            "id_bytes": sum(sel["id_bytes"]) + 4,
-                            "value_bytes": sel["value_bytes"], "select_s": sel_s}))
-                        cases.append(("shared", label, {
-                            "score_bytes": sel["score_bytes"],
-                            "value_bytes": sel["value_bytes"], "select_s": sel_s}))
-                    for mode, label, kw in cases:
-                        cost = scaling.exchange_cost(
-                            "dense" if mode == "dense_per_tensor" else mode, p, net, compute,
-                            overlap=overlap, **kw)
-                        rows.append({
-                            "model": name, "compute": source, "mode": mode,
-                            "selection": label, "workers": p, "bandwidth_gbit": bw,
-                            "compute_s": compute, "comm_s": cost.comm_s,
-                            "select_s": cost.extra_s,
-                            "efficiency_no_overlap": round(cost.efficiency, 4),
-                            "efficiency_overlap": round(cost.efficiency_overlap, 4)})
-    return rows
-
-
-def sanity_check(sizes: Mapping[str, int], alpha_s: float, overlap: float,
-                 gpu_compute_s: Mapping[str, float]) -> dict[str, Any]:
-    """Dense fused ring all-reduce at 512 workers, 25 Gbit/s, beside Horovod's figures."""
-    net = scaling.NetworkModel(25.0, alpha_s)
-    entries = []
-    for name, published in HOROVOD.items():
-        if name not in sizes or name not in gpu_compute_s:
-            continue
-        cost = scaling.exchange_cost("dense", 512, net, gpu_compute_s[name],
-                                     dense_bytes=sizes[name], overlap=overlap)
-        lo, hi = cost.efficiency, cost.efficiency_overlap
-        entries.append({
-            "model": name, "dense_bytes": sizes[name], "compute_s": gpu_compute_s[name],
-            "comm_s": cost.comm_s, "horovod_efficiency": published,
-            "projected_no_overlap": round(lo, 4), "projected_overlap": round(hi, 4),
-            "within_band": bool(lo - 0.05 <= published <= hi + 0.05)})
-    return {"reference": HOROVOD_SOURCE, "workers": 512, "bandwidth_gbit": 25.0,
-            "compute_source": GPU_SOURCE, "band_tolerance": 0.05, "entries": entries}
-
-
-def markdown_table(result: Mapping[str, Any], compute: str = "gpu_assumed") -> str:
-    """Markdown: per model and bandwidth, efficiency (% no overlap / % overlap) per mode."""
-    rows = [r for r in result["projections"] if r["compute"] == compute]
-    if not rows:
-        return ""
-    workers = result["workers"]
-    lines = [f"Scaling efficiency, compute `{compute}`, in % as no-overlap / "
-             f"{result['assumptions']['overlap']:.2f}-overlap (alpha "
-             f"{result['assumptions']['alpha_s'] * 1e6:g} us)", ""]
-    for model in result["models"]:
-        for bw in result["bandwidths_gbit"]:
-            sel = [r for r in rows if r["model"] == model and r["bandwidth_gbit"] == bw]
-            if not sel:
-                continue
-            lines += [f"**{model}, {bw:g} Gbit/s**", "",
-                      "| mode | " + " | ".join(str(w) for w in workers) + " |",
-                      "|---|" + "---|" * len(workers)]
-            keys = list(dict.fromkeys((r["mode"], r["selection"]) for r in sel))
-            for mode, label in keys:
-                cells = []
-                for w in workers:
-                    r = next(x for x in sel if (x["mode"], x["selection"], x["workers"])
-                             == (mode, label, w))
-                    cells.append(f"{100 * r['efficiency_no_overlap']:.0f} / "
-                                 f"{100 * r['efficiency_overlap']:.0f}")
-                name = mode if label is None else f"{mode} {label}"
-                lines.append(f"| {name} | " + " | ".join(cells) + " |")
-            lines.append("")
-    return "\n".join(lines)
-
-
-def _summary(result: Mapping[str, Any]) -> dict[str, Any]:
-    """Per model: sizes, ratios, and the gpu_assumed efficiencies at 1024 workers, 25 Gbit/s."""
-    out = {}
-    for name, m in result["models"].items():
-        best = {}
-        for r in result["projections"]:
-            if (r["model"], r["compute"], r["workers"], r["bandwidth_gbit"]) == (
-                    name, "gpu_assumed", max(result["workers"]), 25.0):
-                key = r["mode"] if r["selection"] is None else f"{r['mode']} {r['selection']}"
-                best[key] = [r["efficiency_no_overlap"], r["efficiency_overlap"]]
-        out[name] = {
-            "parameters": m["parameters"], "dense_mb": round(m["dense_bytes"] / 1e6, 2),
-            "cpu_compute_s": round(m["cpu_compute_s"], 3),
-            "ratios": {lab: [s["compression_ratio_allgather"], s["compression_ratio_shared"]]
-                       for lab, s in m["selections"].items()},
-            f"efficiency_gpu_{max(result['workers'])}w_25gbit": best}
-    return out
 
 
 def run(models: Sequence[str] = ("resnet50", "vgg16"),
@@ -369,6 +222,8 @@ def run(models: Sequence[str] = ("resnet50", "vgg16"),
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
     if alpha_s < 0:
         raise ValueError(f"alpha_s must be >= 0, got {alpha_s}")
+    if image_size < 32:
+        raise ValueError(f"image_size must be >= 32, got {image_size}")
     if cpu_batch < 1 or repeats < 1:
         raise ValueError(f"cpu_batch and repeats must be >= 1, got {cpu_batch}, {repeats}")
     if gpu_mem_gbps <= 0:
@@ -383,7 +238,7 @@ def run(models: Sequence[str] = ("resnet50", "vgg16"),
     for name in models:
         m = measure(name, image_size, cpu_batch, repeats, [(k, None), (None, density)])
         for sel in m["selections"].values():
-            sel["select_s_gpu"] = _gpu_select_s(sel, m["dense_bytes"], gpu_mem_gbps,
+            sel["select_s_gpu"] = estimate_gpu_select_s(sel, m["dense_bytes"], gpu_mem_gbps,
                                                 gpu_select_s)
         measured[name] = m
         print(f"[project_scaling] measured {name} in {m['measure_seconds']} s", flush=True)
@@ -393,7 +248,7 @@ def run(models: Sequence[str] = ("resnet50", "vgg16"),
         for name in HOROVOD:
             if name not in sizes:
                 keras.backend.clear_session()
-                sizes[name] = sum(variable_bytes(build_model(name, 224)))
+                sizes[name] = sum(variable_bytes(registry.build_image_model(name, 224)))
         sanity = sanity_check(sizes, alpha_s, overlap, gpu)
 
     result: dict[str, Any] = {
@@ -422,7 +277,7 @@ def run(models: Sequence[str] = ("resnet50", "vgg16"),
         "sanity_check": sanity,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    result["summary"] = _summary(result)
+    result["summary"] = summary(result)
     if out is not None:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w", encoding="utf-8") as f:
@@ -473,5 +328,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

@@ -1,6 +1,6 @@
 """Markdown tables of the evidence results (what the README's Results section shows).
 
-    python launch/results_tables.py [--results=benchmarks/results]
+    python -m launch.results_tables [--results=benchmarks/results]
 
 Reads ``time_to_accuracy.json``, ``convergence.json`` and ``demo.json`` (written by
 ``launch/bench_time_to_accuracy.py``, ``launch/bench_convergence.py`` and ``launch/demo.py``)
@@ -17,6 +17,8 @@ import os
 import sys
 
 from absl import app, flags
+
+from launch import script
 
 FLAGS = flags.FLAGS
 
@@ -158,5 +160,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(main)
+    script.run(main, define_flags)

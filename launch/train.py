@@ -1,7 +1,7 @@
 """Train a model from ``models/`` with dense, block-sparse or element top-k exchange.
 
-    python launch/train.py --model=cnn_small --dataset=digits --strategy=mirrored
-    python launch/local_cluster.py --num_workers=2 -- python launch/train.py \\
+    python -m launch.train --model=cnn_small --dataset=digits --strategy=mirrored
+    python -m launch.local_cluster --num_workers=2 -- python -m launch.train \\
         --strategy=multiworker --dataset=digits --model=cnn_small --compression=block --k=1 \\
         --epochs=2 --model_dir=/tmp/run
 
@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from collections.abc import Callable
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from launch.flags import define_flags  # noqa: E402
+from launch import callbacks as cb
+from launch import runtime, script
+from launch.flags import define_flags, flag_names
 
 FLAGS = flags.FLAGS
 
@@ -41,11 +38,12 @@ def make_strategy(name: str, num_devices: int):
         return tfbs.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     if name == "mirrored":
         gpus = tf.config.list_physical_devices("GPU")
+        if gpus and num_devices > len(gpus):
+            raise app.UsageError(f"--num_devices={num_devices}: this machine has only "
+                                 f"{len(gpus)} GPUs")
         if gpus:
             return tf.distribute.MirroredStrategy([f"/gpu:{i}" for i in range(num_devices)])
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
+        runtime.logical_cpus(num_devices)
         return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(num_devices)])
     return tf.distribute.get_strategy()
 
@@ -81,98 +79,13 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
                                      exchange=exchange, **extra)
 
 
-def epoch_clock(timer: Callable[[], float] = time.perf_counter):
-    """Callback recording, per epoch, the cumulative training seconds.
-
-    Its ``train_s`` list is what time-to-accuracy is measured against: the time from the
-    start of each epoch to the end of its last training step (exchange included). Whatever
-    runs after the last step (an evaluation callback, a checkpoint whose per-replica state
-    is read through a collective, ``model.fit``'s own validation) is not counted, wherever
-    the clock sits in ``callbacks``.
-
-    Args:
-        timer: Seconds, monotonic (tests pass a fake one).
-    """
-    import keras
-
-    class EpochClock(keras.callbacks.Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.train_s: list[float] = []
-            self._spent, self._start, self._last = 0.0, 0.0, None
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self._start, self._last = timer(), None
-
-        def on_train_batch_end(self, batch, logs=None):
-            self._last = timer()
-
-        def on_epoch_end(self, epoch, logs=None):
-            end = self._last if self._last is not None else timer()
-            self._spent += end - self._start
-            self.train_s.append(round(self._spent, 3))
-
-    return EpochClock()
-
-
-def _dump_restored(path: str, index: int):
-    """Callback saving this worker's local residuals once training (and restore) began."""
-    import keras
-    import numpy as np
-
-    class Dump(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            opt = self.model.optimizer
-            strategy = self.model.distribute_strategy
-            local = [strategy.experimental_local_results(r.value)[0].numpy()
-                     for r in opt.residuals]
-            np.savez(f"{path}.worker_{index}.npz", *local)
-
-    return Dump()
-
-
-def stop_at_accuracy(target: float, min_epochs: int, key: str = "val_accuracy"):
-    """Callback stopping training once ``logs[key] >= target`` after ``min_epochs`` epochs.
-
-    The validation metrics are reduced over all replicas, so every worker of a multi-worker
-    cluster sees the same value and stops after the same epoch.
-    """
-    import keras
-
-    class StopAtAccuracy(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            value = (logs or {}).get(key)
-            if value is not None and epoch + 1 >= min_epochs and value >= target:
-                self.model.stop_training = True
-
-    return StopAtAccuracy()
-
-
-def _fail_at(step: int):
-    """Fault injection: a callback that ``os._exit(17)``-s after ``step`` training steps."""
-    import keras
-
-    class Fail(keras.callbacks.Callback):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen = 0
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.seen += 1
-            if self.seen >= step:
-                print(f"fault injection: exiting after {self.seen} steps", flush=True)
-                os._exit(17)
-
-    return Fail()
-
-
 def run(argv_flags=FLAGS) -> dict:
     """Trains as the flags say; returns the metrics record (the chief also writes it)."""
     import keras
     import tensorflow as tf
 
     import tf_blocksparse as tfbs
-    from launch import pipeline
+    from launch import inputs
     from models import registry
     from tf_blocksparse.keras.backup import save_model
     from tf_blocksparse.keras.evaluation import ExactValidation, evaluate_exactly
@@ -185,9 +98,9 @@ def run(argv_flags=FLAGS) -> dict:
     from tf_blocksparse.distribute.strategy import worker_role
 
     num_workers, index, chief = worker_role(strategy)
-    arrays = pipeline.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
+    arrays = inputs.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
                                   f.synthetic_shape, f.train_samples, f.seed, f.test_samples)
-    train_ds, steps = pipeline.train_dataset(arrays, f.batch_size, num_workers, index, f.seed)
+    train_ds, steps = inputs.train_dataset(arrays, f.batch_size, num_workers, index, f.seed)
     if f.steps_per_epoch:
         steps = min(steps, f.steps_per_epoch)
     sequence = registry.is_sequence_model(f.model)
@@ -212,27 +125,30 @@ def run(argv_flags=FLAGS) -> dict:
             callbacks.append(keras.callbacks.TensorBoard(os.path.join(f.model_dir, "logs"),
                                                          update_freq="epoch"))
     if f.dump_restored:
-        callbacks.append(_dump_restored(f.dump_restored, index))
+        callbacks.append(cb.dump_restored(f.dump_restored, index))
     if f.fail_at_step >= 0 and index == f.fail_worker:
-        callbacks.append(_fail_at(f.fail_at_step))
+        callbacks.append(cb.fail_at(f.fail_at_step))
     if f.density_warmup and f.compression != "dense":
         callbacks.append(tfbs.DensityWarmup([float(d) for d in f.density_warmup]))
     if f.stop_at_accuracy:
-        callbacks.append(stop_at_accuracy(
+        callbacks.append(cb.stop_at_accuracy(
             f.stop_at_accuracy, f.min_epochs,
             "val_token_accuracy" if sequence else "val_accuracy"))
-    clock = epoch_clock()
+    clock = cb.epoch_clock()
     callbacks.append(clock)
-    eval_kwargs = pipeline.eval_kwargs(f.model)
+    if chief:  # last: it prints what the callbacks before it added
+        callbacks.append(cb.progress(f.epochs, f.block_metrics,
+                                     out=lambda line: print(line, flush=True)))
+    eval_kwargs = inputs.eval_kwargs(f.model)
     validation = None
     if f.validate:  # first: later callbacks (stop, TensorBoard, History) read its figures
         validation = ExactValidation(
-            *arrays.test, batch_size=f.eval_batch_size, verbose=chief,
+            *arrays.test, batch_size=f.eval_batch_size, verbose=False,
             metric_name="token_accuracy" if sequence else "accuracy", **eval_kwargs)
         callbacks.insert(0, validation)
     t0 = time.perf_counter()
     hist = model.fit(train_ds, epochs=f.epochs, steps_per_epoch=steps, callbacks=callbacks,
-                     shuffle=False, verbose=2 if chief else 0)
+                     shuffle=False, verbose=0)
     wall = time.perf_counter() - t0
     # the last epoch's evaluation is of these very weights; evaluate only if none ran
     results = validation.last if validation is not None and validation.last else \
@@ -254,7 +170,7 @@ def run(argv_flags=FLAGS) -> dict:
         "replicas": strategy.num_replicas_in_sync, "dataset": arrays.name,
         "history": {k: [float(v) for v in vals] for k, vals in hist.history.items()},
         "train_s_per_epoch": clock.train_s,
-        "flags": {name: f[name].value for name in _FLAG_NAMES},
+        "flags": {name: f[name].value for name in flag_names()},
         "tensorflow": tf.__version__,
     }
     if chief and f.model_dir:
@@ -266,9 +182,6 @@ def run(argv_flags=FLAGS) -> dict:
     return record
 
 
-_FLAG_NAMES: list[str] = []
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -276,7 +189,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    before = set(FLAGS)
-    define_flags()
-    _FLAG_NAMES.extend(sorted(set(FLAGS) - before))
-    app.run(main)
+    script.run(main, define_flags)

@@ -1,6 +1,6 @@
-"""Hybrid conv/FC training with the FC group in (emulated) expanded memory (SPEC S4).
+"""Hybrid conv/FC training with the FC group in (emulated) expanded memory.
 
-    python launch/train_hybrid.py --model=vgg_fc --dataset=digits --conv_replicas=2 \\
+    python -m launch.train_hybrid --model=vgg_fc --dataset=digits --conv_replicas=2 \\
         --fc_replicas=1 --steps=5 --device_memory_budget=2 --verify_against_data_parallel
 
 The model is split at its conv/FC boundary (or at ``--split_layer``, the first head layer);
@@ -31,15 +31,22 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from launch.flags import define_flags as define_shared_flags  # noqa: E402
+from launch import script
+from launch.flags import define_flags as define_shared_flags
+from launch.hybrid_setup import (
+    cluster_devices,
+    global_batches,
+    group_summary,
+    hybrid_devices,
+    parse_workers,
+    short_device,
+    train_data_parallel,
+)
 
 FLAGS = flags.FLAGS
 MIB = 2**20
@@ -100,190 +107,6 @@ def define_flags() -> None:
                              "--workers must be I+J with I, J >= 1, e.g. 2+1")
 
 
-# ---------------------------------------------------------------------------- helpers
-
-
-def parse_workers(text: str) -> tuple[int, int] | None:
-    """``"I+J"`` -> ``(I, J)``; ``None`` when malformed or a count is < 1."""
-    parts = str(text).split("+")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        return None
-    i, j = (int(p) for p in parts)
-    return (i, j) if i >= 1 and j >= 1 else None
-
-
-def cluster_devices(conv: int, fc: int, fc_state_task: int) -> dict[str, Any]:
-    """Connects to the emulated cluster: conv replicas on tasks ``0..I-1``, FC replicas on
-    ``I..I+J-1``, the FC state on ``fc_state_task`` (-1: task ``I``); the data-parallel
-    reference on ``I`` logical CPUs of this client (made before connecting)."""
-    import tensorflow as tf
-
-    from tf_blocksparse.distribute import remote
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * conv)
-    workers = remote.connect(remote.cluster_from_env())
-    if len(workers) != conv + fc:
-        raise ValueError(f"the cluster has {len(workers)} workers, --workers asks for "
-                         f"{conv}+{fc}")
-    task = conv if fc_state_task < 0 else fc_state_task
-    if task >= conv + fc:
-        raise app.UsageError(f"--fc_state_task={fc_state_task} is not a worker task "
-                             f"(0..{conv + fc - 1})")
-    return {"conv": workers[:conv], "fc": workers[conv:], "host": workers[task],
-            "reference": [f"/job:chief/replica:0/task:0/device:CPU:{i}" for i in range(conv)],
-            "fc_state_task": task}
-
-
-def hybrid_devices(conv_replicas: int, fc_replicas: int, host_device: str = ""
-                   ) -> dict[str, Any]:
-    """Device names for the groups (configures logical CPUs on a CPU host; call first).
-
-    Returns:
-        ``{"conv": [...], "fc": [...], "host": str, "reference": [...]}`` (``reference``: the
-        distinct devices of the data-parallel reference).
-    """
-    import tensorflow as tf
-
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        n = len(gpus)
-        conv = [f"/gpu:{i % n}" for i in range(conv_replicas)]
-        fc = [f"/gpu:{(conv_replicas + j) % n}" for j in range(fc_replicas)]
-        return {"conv": conv, "fc": fc, "host": host_device or "/cpu:0",
-                "reference": sorted(set(conv))}
-    total = conv_replicas + fc_replicas + 1
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * total)
-    except RuntimeError as err:
-        if len(tf.config.list_logical_devices("CPU")) < total:
-            raise RuntimeError(f"need {total} logical CPUs before TF initialises") from err
-    conv = [f"/cpu:{i}" for i in range(conv_replicas)]
-    fc = [f"/cpu:{conv_replicas + j}" for j in range(fc_replicas)]
-    return {"conv": conv, "fc": fc, "host": host_device or f"/cpu:{total - 1}",
-            "reference": conv}
-
-
-def global_batches(x: Any, y: Any, batch_size: int, steps: int, seed: int
-                   ) -> list[tuple[Any, Any]]:
-    """``steps`` global batches ``(x [batch_size, ...], y [batch_size])`` of a seeded
-    permutation (cycled when the data run out)."""
-    import numpy as np
-
-    if batch_size > len(x):
-        raise ValueError(f"batch_size {batch_size} exceeds the {len(x)} training examples")
-    rng = np.random.default_rng(seed)
-    order, out = rng.permutation(len(x)), []
-    per_epoch = len(x) // batch_size
-    for s in range(steps):
-        if s and s % per_epoch == 0:
-            order = rng.permutation(len(x))
-        idx = order[(s % per_epoch) * batch_size:(s % per_epoch + 1) * batch_size]
-        out.append((x[idx], y[idx].astype("int32")))
-    return out
-
-
-def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
-                        batches: Sequence[tuple[Any, Any]], devices: Sequence[str], lr: float,
-                        momentum: float, compression: dict | None = None,
-                        strategy: Any = None) -> list[Any]:
-    """Plain data parallelism on the same global batches: the reference of the hybrid run.
-
-    ``MirroredStrategy`` over ``devices`` (or ``strategy``); replica ``r`` takes the ``r``-th
-    consecutive slice of each global batch and the gradient of ``sum(its losses) / B``; the
-    strategy all-reduces (dense, or ``BlockSparseCrossDeviceOps(**compression)``) and SGD with
-    ``momentum`` updates.
-
-    Args:
-        make_model: Builds the model (called under the strategy's scope).
-        weights: Initial weights (``get_weights()`` order).
-        batches: Global batches ``(x [B, ...], y [B])``.
-        devices: Devices of the strategy (ignored when ``strategy`` is given).
-        lr: SGD learning rate.
-        momentum: SGD momentum.
-        compression: ``None`` or ``{"k", "density", "metric"}`` for the block-sparse ops.
-        strategy: Optional existing strategy.
-
-    Returns:
-        The trained weights (``get_weights()`` order).
-    """
-    import keras
-    import tensorflow as tf
-
-    import tf_blocksparse as tfbs
-    from tf_blocksparse.distribute.slicing import split_sizes
-
-    ops = None
-    if strategy is None:
-        # every variable compressed, as HybridTrainer's per-layer exchange does
-        # reduction to one device, not collectives: those would wait for the group leader
-        # of a cluster this process is connected to (--workers)
-        ops = (tfbs.BlockSparseCrossDeviceOps(**{"dense_below": 0, **compression})
-               if compression else tf.distribute.ReductionToOneDevice())
-        strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    with strategy.scope():
-        model = make_model()
-        model.set_weights(weights)
-        opt = keras.optimizers.SGD(lr, momentum=momentum)
-        opt.build(model.trainable_variables)
-    if compression:
-        ops.bind_model(model)
-    n = strategy.num_replicas_in_sync
-
-    def replica_step(x: tf.Tensor, y: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(loss_fn(y, model(x, training=True))) / batch
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    @tf.function
-    def step(x: Any, y: Any, batch: tf.Tensor) -> tf.Tensor:
-        per = strategy.run(replica_step, args=(x, y, batch))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per, axis=None)
-
-    def distribute(a: Any) -> Any:
-        sizes = split_sizes(len(a), n)
-        starts = [sum(sizes[:r]) for r in range(n)]
-
-        def part(ctx: Any) -> Any:
-            r = ctx.replica_id_in_sync_group
-            return a[starts[r]:starts[r] + sizes[r]]
-
-        return strategy.experimental_distribute_values_from_function(part)
-
-    for x, y in batches:
-        step(distribute(x), distribute(y), tf.constant(float(len(x))))
-    return model.get_weights()
-
-
-def short_device(name: str) -> str:
-    """``CPU:3`` for a device of this process, the full name for a worker task's."""
-    return name.split("device:")[-1] if name.startswith("/job:localhost/") else name
-
-
-def group_summary(placement: dict, plan: Any) -> dict[str, Any]:
-    """Per group: compute devices, the devices holding variables / optimizer state /
-    residuals, the expanded layers and the planner's bytes per replica."""
-    out = {}
-    for group in ("conv", "fc"):
-        reps = placement[group]
-        short = {k: sorted({short_device(d) for r in reps for d in r[k].values()})
-                 for k in ("variables", "optimizer_slots", "residuals")}
-        out[group] = {"compute_devices": [r["compute_device"] for r in reps],
-                      "variable_devices": short["variables"],
-                      "optimizer_state_devices": short["optimizer_slots"],
-                      "residual_devices": short["residuals"],
-                      "planned_bytes_per_replica": dict(plan.group_bytes[group])}
-    out["expanded_layers"] = placement["expanded_layers"]
-    out["host_device"] = placement["host_device"]
-    return out
-
-
 def compression_specs(f: Any) -> tuple[dict | None, dict | None]:
     """``(trainer compression argument, shared spec)`` from the flags."""
     if f.compression == "dense":
@@ -313,13 +136,13 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
     import keras
     import numpy as np
 
-    from launch import pipeline
+    from launch import inputs
     from models import registry
     from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
     from tf_blocksparse.keras.hybrid_split import layer_memory
     from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
 
-    arrays = pipeline.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
+    arrays = inputs.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
                                   f.synthetic_shape, f.train_samples, f.seed)
     extra = {"fc_units": f.fc_units} if f.fc_units and f.model == "vgg_fc" else {}
 
@@ -441,7 +264,7 @@ def launch_cluster(f: Any) -> int:
         print("train_hybrid: --workers needs root (network namespaces, cgroups); run it as "
               "root or drop --workers", file=sys.stderr)
         return 1
-    from launch.tf_cluster import ServerCluster, WorkerFailure
+    from launch.cluster.tf_cluster import ServerCluster, WorkerFailure
 
     conv, fc = parse_workers(f.workers)
     n = conv + fc
@@ -474,5 +297,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(lambda argv: sys.exit(main(argv)))
+    script.run(main, define_flags)

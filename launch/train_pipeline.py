@@ -6,7 +6,7 @@
 The launcher (this script, as root) starts ``--workers`` TensorFlow worker servers, each in
 its own network namespace, with the link from worker ``i`` to worker ``j`` shaped to the
 ``--topology``'s rate (fastest link ``--bandwidth_mbit``) and a CPU quota of
-``--worker_cpus`` CPUs per worker (:class:`launch.tf_cluster.ServerCluster`), and re-runs
+``--worker_cpus`` CPUs per worker (:class:`launch.cluster.tf_cluster.ServerCluster`), and re-runs
 itself as the *client* inside the cluster.  The client
 
 1. connects to the workers (:func:`tf_blocksparse.distribute.remote.connect`);
@@ -31,12 +31,11 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+from launch import script
 
 FLAGS = flags.FLAGS
 PLAN_NAMES = {"bandwidth_dp": "bandwidth_aware", "pipedream": "pipedream",
@@ -54,9 +53,11 @@ def define_flags() -> None:
     flags.DEFINE_string("topology_json", None, "Read a planning.Topology JSON instead (its "
                         "proportions; the fastest link becomes --bandwidth_mbit).")
     flags.DEFINE_float("spread", 0.8, "How much slower the slowest link is (fraction).")
+    flags.register_validator("spread", lambda v: 0.0 <= v < 1.0, "--spread must be in [0, 1)")
     flags.DEFINE_integer("devices_per_node", 2, "two_level: workers per node.", lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Seed of the random topology, the model and the data.")
     flags.DEFINE_float("bandwidth_mbit", 200.0, "Rate of the fastest link (Mbit/s).")
+    flags.register_validator("bandwidth_mbit", lambda v: v > 0, "--bandwidth_mbit must be > 0")
     flags.DEFINE_float("latency_ms", 0.0, "One-way delay on every link (needs netem).")
     flags.DEFINE_float("worker_cpus", None, "CPU quota of every worker and of the client "
                        "(CPUs); default: this machine's cores / --workers, so that the "
@@ -94,7 +95,7 @@ def define_flags() -> None:
 
 def pair_rates(f: Any) -> list[list[float]]:
     """Per-pair link rates (Mbit/s) of the flags' topology."""
-    from launch.tf_cluster import topology_rates
+    from launch.cluster.tf_cluster import topology_rates
     from tf_blocksparse.planning import Topology
 
     n, fast = f.workers, f.bandwidth_mbit
@@ -122,14 +123,11 @@ def default_cpus(workers: int) -> float:
 def time_steps(step: Any, x: Any, y: Any, warmup: int, steps: int) -> list[float]:
     """Seconds of each of ``steps`` calls of ``step(x, y)`` after ``warmup`` untimed ones
     (each call waits for its loss)."""
+    from launch import runtime
+
     for _ in range(warmup):
         float(step(x, y))
-    out = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        float(step(x, y))
-        out.append(time.perf_counter() - t0)
-    return out
+    return [runtime.time_call(lambda: step(x, y)) for _ in range(steps)]
 
 
 def run_client(f: Any) -> dict:
@@ -138,8 +136,8 @@ def run_client(f: Any) -> dict:
     import numpy as np
     import tensorflow as tf
 
+    from launch.cluster.tf_cluster import rates_topology
     from launch.plan_pipeline import DATASET_SHAPES, plan_all
-    from launch.tf_cluster import rates_topology
     from models.registry import build_model
     from tf_blocksparse import PipelineTrainer, profile_model
     from tf_blocksparse.distribute import remote
@@ -230,7 +228,7 @@ def main(argv: list[str]) -> int:
         print("train_pipeline: the emulated cluster needs root (network namespaces, tc, "
               "cgroups); run it as root", file=sys.stderr)
         return 1
-    from launch.tf_cluster import ServerCluster, WorkerFailure
+    from launch.cluster.tf_cluster import ServerCluster, WorkerFailure
 
     cpus = f.worker_cpus or default_cpus(f.workers)
     try:
@@ -244,5 +242,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    define_flags()
-    app.run(lambda argv: sys.exit(main(argv)))
+    script.run(main, define_flags)

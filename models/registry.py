@@ -1,7 +1,9 @@
-"""Model registry: names to builders.
+"""Model registry: the one place a network gets its name.
 
-Image models take ``(input_shape, num_classes)``.  The sequence model ``gru_nmt`` reuses the
-same signature: ``input_shape = (src_vocab,)`` and ``num_classes = tgt_vocab``.
+Every launch script builds its models here, so a name means one network everywhere.  Image
+models take ``(input_shape, num_classes)`` and output logits.  The sequence model
+``gru_nmt`` reuses the same signature: ``input_shape = (src_vocab,)`` and
+``num_classes = tgt_vocab``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Any
 
 import keras
 
-from models.cnn import cnn_small
+from models.applications import resnet50, resnet101, vgg16
+from models.cnn import cnn_bn, cnn_small
 from models.nmt import gru_nmt
 from models.resnet import resnet20
 from models.vgg import vgg_fc
@@ -21,8 +24,30 @@ MODELS: dict[str, Callable[..., keras.Model]] = {
     "vgg_fc": vgg_fc,
     "cnn_small": cnn_small,
     "gru_nmt": gru_nmt,
+    "cnn_bn": cnn_bn,
+    "resnet50": resnet50,
+    "resnet101": resnet101,
+    "vgg16": vgg16,
 }
 SEQUENCE_MODELS = frozenset({"gru_nmt"})
+#: Models that train on the launch data sets (28x28 Fashion-MNIST, 8x8 digits, ...).
+DATASET_MODELS = ("resnet20", "vgg_fc", "cnn_small", "gru_nmt")
+#: ``keras.applications`` networks built for ImageNet-sized inputs by default.
+IMAGENET_MODELS = ("resnet50", "resnet101", "vgg16")
+
+
+def default_input(name: str) -> tuple[tuple[int, ...], int]:
+    """``(input_shape, num_classes)`` a benchmark builds ``name`` with when not told.
+
+    ImageNet networks: 224x224x3, 1000 classes; the small image models: 32x32x3, 10.
+
+    Raises:
+      ValueError: ``name`` is not a registered image model.
+    """
+    if name not in MODELS or is_sequence_model(name):
+        raise ValueError(f"unknown image model {name!r}; choose from "
+                         f"{sorted(set(MODELS) - SEQUENCE_MODELS)}")
+    return ((224, 224, 3), 1000) if name in IMAGENET_MODELS else ((32, 32, 3), 10)
 
 
 def is_sequence_model(name: str) -> bool:
@@ -56,3 +81,26 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int,
         return MODELS[name](src_vocab=src_vocab, tgt_vocab=num_classes, seed=seed, **kwargs)
     return MODELS[name](input_shape=tuple(input_shape), num_classes=num_classes, seed=seed,
                         **kwargs)
+
+
+def build_image_model(name: str, image_size: int | None = None, num_classes: int | None = None,
+                      seed: int | None = None) -> keras.Model:
+    """Builds a registered image model on square RGB inputs, as the benchmarks use them.
+
+    Args:
+      name: A key of :data:`MODELS` (not a sequence model).
+      image_size: Input height and width; ``None``: the model's :func:`default_input`.
+      num_classes: Output logits; ``None``: the model's :func:`default_input`.
+      seed: Optional initialiser seed.
+
+    Returns:
+      The uncompiled model: images [batch, image_size, image_size, 3] to logits
+      [batch, num_classes].
+
+    Raises:
+      ValueError: ``name`` is not a registered image model.
+    """
+    shape, classes = default_input(name)
+    if image_size is not None:
+        shape = (image_size, image_size, 3)
+    return build_model(name, shape, classes if num_classes is None else num_classes, seed=seed)

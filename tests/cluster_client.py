@@ -1,4 +1,5 @@
-"""Client process of the emulated-cluster tests (run by ``launch.tf_cluster.ServerCluster``).
+"""Client process of the emulated-cluster tests (run by
+``launch.cluster.tf_cluster.ServerCluster``).
 
     python tests/cluster_client.py MODE OUT_JSON
 

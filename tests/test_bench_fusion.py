@@ -7,7 +7,7 @@ import json
 import pytest
 import tensorflow as tf
 
-from launch import bench_fusion
+from launch import bench_fusion, fusion_plans, fusion_step
 from tf_blocksparse.planning import TensorSpec, plan_balanced
 
 PLAN_METHODS = {"balanced", "tf_group_by_size", "ddp", "horovod_greedy"}
@@ -18,9 +18,9 @@ REPEATS = 2
 def record(mirrored2: tf.distribute.MirroredStrategy) -> dict:
     """One tiny run, on the session's MirroredStrategy (never a second instance)."""
     return bench_fusion.run(
-        buffer_mib=(4, 25), plan_models=("resnet50",), sim_model="small_cnn",
+        buffer_mib=(4, 25), plan_models=("resnet50",), sim_model="cnn_bn",
         sim_image_size=16, sim_batch=2, sim_warmup=1, sim_steps=2, cycle_ms=1.0,
-        step_model="small_cnn", step_image_size=16, step_batch=2, warmup=1, repeats=REPEATS,
+        step_model="cnn_bn", step_image_size=16, step_batch=2, warmup=1, repeats=REPEATS,
         pack_mib=0.02, strategy=mirrored2)
 
 
@@ -49,14 +49,14 @@ def test_plans_schema_and_balanced_min_count(record: dict) -> None:
         assert buf["greedy_min_groups"] == buf["methods"]["horovod_greedy"]["groups"]
         best = buf["optimal_imbalance_excluding_oversized"]
         assert 1.0 <= best <= balanced["imbalance_excluding_oversized"]
-        assert buf["target_feasible"] == (best <= bench_fusion.BALANCE_TARGET)
+        assert buf["target_feasible"] == (best <= fusion_plans.BALANCE_TARGET)
         if buf["target_feasible"]:  # the planner reaches the target wherever it is reachable
             assert buf["balanced_meets_1_25"] is True
         assert isinstance(buf["balanced_meets_1_25"], bool)
         assert buf["balanced_meets_1_25"] == (
-            balanced["imbalance_excluding_oversized"] <= bench_fusion.BALANCE_TARGET)
+            balanced["imbalance_excluding_oversized"] <= fusion_plans.BALANCE_TARGET)
         assert buf["balanced_meets_1_25_strict"] == (
-            balanced["imbalance_excluding_single_oversized"] <= bench_fusion.BALANCE_TARGET)
+            balanced["imbalance_excluding_single_oversized"] <= fusion_plans.BALANCE_TARGET)
 
 
 def test_plans_order_is_derived_and_defaults_are_the_baselines_own(record: dict) -> None:
@@ -66,19 +66,19 @@ def test_plans_order_is_derived_and_defaults_are_the_baselines_own(record: dict)
     assert plans["order_positions_differing_from_reversed_list"] > 0
     defaults = plans["defaults"]
     assert set(defaults) == {"ddp_default", "horovod_greedy_128mib"}
-    assert defaults["ddp_default"]["buffer_bytes"] == 25 * bench_fusion.MIB
-    assert defaults["horovod_greedy_128mib"]["buffer_bytes"] == 128 * bench_fusion.MIB
+    assert defaults["ddp_default"]["buffer_bytes"] == 25 * fusion_plans.MIB
+    assert defaults["horovod_greedy_128mib"]["buffer_bytes"] == 128 * fusion_plans.MIB
     # ResNet-50 (~98 MiB of float32 gradients) fits one 128 MiB Horovod buffer
     assert defaults["horovod_greedy_128mib"]["groups"] == 1
     assert defaults["ddp_default"]["groups"] > 1
 
 
 def test_sections_run_alone_and_are_checked() -> None:
-    record = bench_fusion.run(buffer_mib=(0.01,), plan_models=("small_cnn",),
+    record = bench_fusion.run(buffer_mib=(0.01,), plan_models=("cnn_bn",),
                               sections=("plans",))
     assert set(record) == {"plans", "section_seconds", "machine"}
     assert set(record["section_seconds"]) == {"plans"}
-    assert record["plans"]["small_cnn"]["order_positions_differing_from_reversed_list"] == 0
+    assert record["plans"]["cnn_bn"]["order_positions_differing_from_reversed_list"] == 0
     with pytest.raises(ValueError, match="`sections`"):
         bench_fusion.run(sections=("plans", "nope"))
 
@@ -102,7 +102,7 @@ def test_simulation_schema(record: dict) -> None:
 def test_step_time_schema(record: dict) -> None:
     step = record["step_time"]
     assert step["replicas"] == 2
-    assert set(step["methods"]) == {*bench_fusion.STEP_METHODS, "fused_cross_device_ops"}
+    assert set(step["methods"]) == {*fusion_step.STEP_METHODS, "fused_cross_device_ops"}
     for row in step["methods"].values():
         assert row["median_ms"] > 0 and row["ratio_vs_tf_default"] > 0
         assert len(row["times_ms"]) == REPEATS and all(t > 0 for t in row["times_ms"])

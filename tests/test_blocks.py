@@ -363,8 +363,20 @@ def test_print_blocks_cnn_small_table(print_blocks):
     table = blocks.format_block_table(blocks.block_table(model))
     assert _strip_layer_names(text).strip().endswith(_strip_layer_names(table))
     assert text.splitlines()[0] == "model cnn_small, input shape 32x32x3"
-    assert "Conv2D" in text and "BatchNormalization" in text and "Dense" in text
+    assert "Conv2D" in text and "Dense" in text
     assert "kept" not in text
+
+
+def test_print_blocks_uses_the_registry_networks(print_blocks):
+    """One network per name: print_blocks builds the registry's models."""
+    from models import registry
+
+    for name in ("cnn_small", "cnn_bn"):
+        ours = print_blocks.build_model(name, (16, 16, 3))
+        theirs = registry.build_model(name, (16, 16, 3), 10)
+        assert [v.shape for v in ours.weights] == [v.shape for v in theirs.weights]
+    text = print_blocks.render("cnn_bn")
+    assert "Conv2D" in text and "BatchNormalization" in text and "Dense" in text
 
 
 def test_print_blocks_cnn_small_with_k_via_flags(print_blocks):

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_demo_runs_and_reports_compression(tmp_path):
-    subprocess.run([sys.executable, os.path.join(ROOT, "launch", "demo.py"), "--epochs=1",
+    subprocess.run([sys.executable, "-m", "launch.demo", "--epochs=1",
                     "--train_samples=4000", "--test_samples=1000", f"--out={tmp_path}"],
                    check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=900)
     rows = {r["method"]: r for r in json.loads((tmp_path / "results.json").read_text())[

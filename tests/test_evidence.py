@@ -64,7 +64,7 @@ def test_method_flags_reject_unknown():
 
 @pytest.mark.slow
 def test_convergence_end_to_end_schema(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_convergence.py"),
+    cmd = [sys.executable, "-m", "launch.bench_convergence",
            "--num_workers=2", "--dataset=digits", "--epochs=1", "--seeds=0",
            "--models=cnn_small", "--model_epochs=", "--methods=dense,block_default",
            f"--out={tmp_path}"]
@@ -89,7 +89,7 @@ def test_convergence_end_to_end_schema(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="shaped links need root (netns + tc)")
 def test_time_to_accuracy_end_to_end_schema(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "bench_time_to_accuracy.py"),
+    cmd = [sys.executable, "-m", "launch.bench_time_to_accuracy",
            "--num_workers=2", "--dataset=digits", "--models=cnn_small", "--bandwidths_mbit=100",
            "--methods=dense,block_allgather", "--epochs=2", "--steps_per_epoch=5",
            "--density=0.05", "--momentum_masking=waited", f"--out={tmp_path}"]

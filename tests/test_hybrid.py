@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from launch.train_hybrid import train_data_parallel
+from launch.hybrid_setup import train_data_parallel
 from models.vgg import vgg_fc
 from tf_blocksparse.distribute.hybrid_sync import ancestors
 from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
@@ -302,14 +302,14 @@ def test_batch_smaller_than_replicas() -> None:
 
 def _run_script(*args: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_train_hybrid_verifies_against_data_parallel() -> None:
-    r = _run_script("launch/train_hybrid.py", "--dataset=digits", "--conv_replicas=3",
+    r = _run_script("launch.train_hybrid", "--dataset=digits", "--conv_replicas=3",
                     "--fc_replicas=2", "--steps=2", "--batch_size=15", "--fc_units=32",
                     "--offload=fc", "--verify_against_data_parallel")
     assert r["max_abs_weight_diff"] < 1e-5
@@ -321,7 +321,7 @@ def test_train_hybrid_verifies_against_data_parallel() -> None:
 
 
 def test_bench_hybrid_offloads_the_head() -> None:
-    r = _run_script("launch/bench_hybrid.py", "--image_size=8", "--fc_units=256", "--batch=8",
+    r = _run_script("launch.bench_hybrid", "--image_size=8", "--fc_units=256", "--batch=8",
                     "--device_memory_budget=1.2", "--steps=1", "--warmup_steps=1",
                     "--profile_repeats=1")
     assert not r["all_on_device_fits_budget"] and r["plan"]["fits"]

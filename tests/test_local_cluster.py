@@ -1,4 +1,4 @@
-"""Tests of the local multi-worker launcher (``launch/local_cluster.py``).
+"""Tests of the local multi-worker launcher (``launch/cluster/local.py`` and its command line).
 
 The worker commands are tiny ``python -c`` scripts (no TensorFlow), so the whole file runs in
 a few seconds.  Workers write their pid to a file so that the tests can check that no worker
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.local_cluster import make_tf_config, pick_ports, run_local_cluster
+from launch.cluster.local import make_tf_config, pick_ports, run_local_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = ROOT / "launch" / "local_cluster.py"
+LAUNCHER = ["-m", "launch.local_cluster"]
 
 # Common prologue of the worker scripts: index, and the pid written atomically to a file.
 _PROLOGUE = """
@@ -204,7 +204,7 @@ def test_signal_to_launcher_kills_workers_and_exits_130(tmp_path, sig):
     time.sleep(60)
     """
     launcher = subprocess.Popen(
-        [sys.executable, str(LAUNCHER), "--num_workers=2", "--grace_s=5", "--",
+        [sys.executable, *LAUNCHER, "--num_workers=2", "--grace_s=5", "--",
          *_worker(tmp_path, body)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -227,7 +227,7 @@ def test_cli_success_passes_command_untouched(tmp_path):
     # Flags after "--" belong to the worker, not to the launcher.
     code = "import sys; print('ARGS', sys.argv[1:])"
     proc = subprocess.run(
-        [sys.executable, str(LAUNCHER), "--num_workers=1", f"--log_dir={tmp_path}", "--",
+        [sys.executable, *LAUNCHER, "--num_workers=1", f"--log_dir={tmp_path}", "--",
          sys.executable, "-c", code, "--num_workers=7", "--", "x"],
         cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -258,7 +258,7 @@ def test_api_reports_unstartable_command():
     [(["--num_workers=0", "--", "true"], "--num_workers"), (["--num_workers=2"], "command")],
 )
 def test_cli_rejects_bad_arguments(args, name):
-    proc = subprocess.run([sys.executable, str(LAUNCHER), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, *LAUNCHER, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert name in proc.stderr + proc.stdout

@@ -146,10 +146,36 @@ def test_gru_nmt_learns_with_block_sparse_exchange() -> None:
 
 
 def test_registry() -> None:
-    assert set(registry.MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt"}
+    assert set(registry.MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt", "cnn_bn",
+                                    "resnet50", "resnet101", "vgg16"}
+    assert set(registry.DATASET_MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt"}
     assert registry.is_sequence_model("gru_nmt")
     assert not any(registry.is_sequence_model(n) for n in IMAGE_MODELS)
     with pytest.raises(ValueError, match="no_such_net"):
         registry.build_model("no_such_net", (28, 28, 1), 10)
     model = registry.build_model("vgg_fc", (8, 8, 1), 3, fc_units=32)
     assert model.get_layer("fc1").units == 32 and model.output_shape == (None, 3)
+
+
+def test_cnn_bn_outputs_logits_and_trains() -> None:
+    """The benchmarks' four conv-BatchNorm block network, under its own name."""
+    model = registry.build_model("cnn_bn", (16, 16, 3), 10, seed=0)
+    assert model.name == "cnn_bn" and model.output_shape == (None, 10)
+    assert sum(isinstance(layer, keras.layers.BatchNormalization) for layer in model.layers) == 4
+    assert model.layers[-1].activation is keras.activations.linear
+    _compile(model, run_eagerly=True)
+    x, y = _images((16, 16, 3))
+    assert np.isfinite(model.fit(x, y, batch_size=8, epochs=1, verbose=0).history["loss"][0])
+
+
+def test_default_inputs_and_square_image_builds() -> None:
+    assert registry.default_input("resnet50") == ((224, 224, 3), 1000)
+    assert registry.default_input("cnn_small") == ((32, 32, 3), 10)
+    with pytest.raises(ValueError, match="gru_nmt"):
+        registry.default_input("gru_nmt")
+    with pytest.raises(ValueError, match="alexnet"):
+        registry.build_image_model("alexnet")
+    model = registry.build_image_model("resnet50", 32, 10, seed=0)  # keras.applications
+    assert model.input_shape == (None, 32, 32, 3) and model.output_shape == (None, 10)
+    assert model.layers[-1].activation is keras.activations.linear  # logits, like the rest
+    assert registry.build_image_model("cnn_bn").input_shape == (None, 32, 32, 3)

@@ -1,4 +1,4 @@
-"""Tests of the shaped local network (``launch/netem.py``) and its use by the local cluster.
+"""Tests of the shaped local network (``launch/cluster/netem.py``) and its use by the local cluster.
 
 Everything that creates namespaces needs root (and a kernel with veth, bridge and HTB); those
 tests are skipped with the reason otherwise.  The latency check also needs netem.
@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import netem
-from launch.local_cluster import run_local_cluster
-from launch.netem import NetemUnavailableError, NetworkCluster
+from launch.cluster import netem, probe
+from launch.cluster.local import run_local_cluster
+from launch.cluster.netem import NetemUnavailableError, NetworkCluster
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = ROOT / "launch" / "local_cluster.py"
+LAUNCHER = ["-m", "launch.local_cluster"]
 
 
 def _namespaces_usable() -> str | None:
@@ -127,7 +127,7 @@ def test_teardown_after_exception_and_halfway_failure(monkeypatch):
 
 _HOLDER = """
 import os, sys, time
-from launch.netem import NetworkCluster
+from launch.cluster.netem import NetworkCluster
 with NetworkCluster(2, bandwidth_mbit=10, prefix=sys.argv[1] or None) as net:
     print(net.prefix, flush=True)
     time.sleep(60)
@@ -174,10 +174,10 @@ def test_shaping_limits_throughput():
     # A correctness check of the shaping (not a speed test): 10 Mbit/s must measure below
     # twice its rate and far below the same link unshaped.
     with NetworkCluster(2, bandwidth_mbit=10) as net:
-        shaped = netem.measure_link(net, 0, 1, seconds=1.0)
+        shaped = probe.measure_link(net, 0, 1, seconds=1.0)
         traffic = net.traffic()
     with NetworkCluster(2) as net:
-        unshaped = netem.measure_link(net, 1, 0, seconds=0.5)
+        unshaped = probe.measure_link(net, 1, 0, seconds=0.5)
     print(f"shaped 10 Mbit/s: {shaped:.2f} Mbit/s, unshaped: {unshaped:.0f} Mbit/s")
     assert 0 < shaped < 2 * 10
     assert unshaped > 10 * shaped
@@ -189,7 +189,7 @@ def test_latency_adds_round_trip():
     if not netem.netem_supported():
         pytest.skip("the kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so no latency")
     with NetworkCluster(2, latency_ms=5) as net:
-        rtt = netem.measure_rtt(net, 0, 1, count=10)
+        rtt = probe.measure_rtt(net, 0, 1, count=10)
     assert rtt >= 2 * 5 * 0.95  # netem delays every packet by at least its delay
 
 
@@ -234,7 +234,7 @@ def test_failing_worker_removes_namespaces():
 def test_cli_sigint_removes_namespaces(tmp_path):
     code = "import time; print('ready', flush=True); time.sleep(60)"
     proc = subprocess.Popen(
-        [sys.executable, str(LAUNCHER), "--num_workers=2", "--bandwidth_mbit=10",
+        [sys.executable, *LAUNCHER, "--num_workers=2", "--bandwidth_mbit=10",
          "--grace_s=2", "--", sys.executable, "-c", code],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

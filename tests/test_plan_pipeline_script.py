@@ -12,7 +12,7 @@ import pytest
 from tf_blocksparse.planning import ModelProfile, PipelinePlan, Topology, plan_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "launch" / "plan_pipeline.py")
+SCRIPT = "launch.plan_pipeline"
 GBIT = 1e9 / 8
 # cnn_small at 8x8 (digits) has no first pooling layer.
 CNN_SMALL_8X8 = ["conv1", "conv2", "pool2", "flatten", "fc1", "logits"]
@@ -20,7 +20,7 @@ CNN_SMALL_8X8 = ["conv1", "conv2", "pool2", "flatten", "fc1", "logits"]
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", SCRIPT, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
 
 

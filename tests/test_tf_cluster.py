@@ -1,5 +1,5 @@
 """The emulated cluster: per-pair shaped links, cgroup caps, TF worker servers and a client
-that trains across them (``launch/netem.py``, ``launch/cgroups.py``, ``launch/tf_cluster.py``,
+that trains across them (``launch/cluster/netem.py``, ``cgroups.py``, ``tf_cluster.py``,
 ``tf_blocksparse.distribute.remote``).
 
 Tests that start worker processes on loopback need no root; shaping and caps do (skipped with
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import cgroups, netem
-from launch.tf_cluster import ServerCluster, WorkerFailure, rates_topology, topology_rates
+from launch.cluster import cgroups, netem, probe
+from launch.cluster.tf_cluster import ServerCluster, WorkerFailure, rates_topology, topology_rates
 from tf_blocksparse.distribute import remote
 from tf_blocksparse.planning import Topology
 
@@ -149,7 +149,7 @@ def test_a_dying_worker_stops_the_client_and_is_named(tmp_path):
 def test_pair_rates_shape_each_link():
     rates = [[0, 150, 40], [150, 0, 90], [40, 90, 0]]
     with netem.NetworkCluster(3, pair_mbit=rates) as net:
-        got = {(a, b): netem.measure_link(net, a, b, seconds=1.0)
+        got = {(a, b): probe.measure_link(net, a, b, seconds=1.0)
                for a, b in ((0, 1), (0, 2), (2, 1))}
     for (a, b), mbit in got.items():
         assert 0.85 * rates[a][b] < mbit < 1.05 * rates[a][b], (a, b, mbit)

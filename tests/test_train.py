@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from absl import flags
 
-from launch.local_cluster import run_local_cluster
+from launch.cluster.local import run_local_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--strategy=multiworker",
+TRAIN = [sys.executable, "-m", "launch.train", "--strategy=multiworker",
          "--dataset=digits", "--model=cnn_small", "--batch_size=64"]
 ENV = {"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
 FIELDS = ("test_accuracy", "test_loss", "test_examples", "test_correct", "epochs", "steps",
@@ -45,8 +45,29 @@ def test_flags_parse_and_validate():
             _flag_values(*bad)
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--compression=dense", "--k=5"], "--k"),
+    (["--compression=dense", "--density=0.1"], "--density"),
+    (["--compression=dense", "--density_warmup=0.5"], "--density_warmup"),
+    (["--compression=dense", "--dense_below=0"], "--dense_below"),
+    (["--compression=dense", "--momentum_masking=none"], "--momentum_masking"),
+    (["--num_devices=0"], "num_devices"),
+    (["--lr=0"], "--lr"),
+    (["--momentum=1.5"], "--momentum"),
+    (["--save_freq=5"], "--save_freq"),
+    (["--synthetic_shape=0,3"], "--synthetic_shape"),
+    (["--fail_worker=-1"], "--fail_worker"),
+])
+def test_bad_flag_combinations_are_refused_at_parsing(args, named):
+    """A flag the run would silently ignore, or a value TF would fail on deep inside, is an
+    error at flag parsing that names the flag."""
+    with pytest.raises(flags.Error, match=named):
+        _flag_values(*args)
+    _flag_values("--compression=block", "--k=5", "--dense_below=0")  # the sparse ones take them
+
+
 def test_helpfull_documents_every_flag():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"),
+    out = subprocess.run([sys.executable, "-m", "launch.train",
                           "--helpfull"], capture_output=True, text=True, env=dict(
                               os.environ, **ENV), timeout=120)
     for name in ("--model", "--dataset", "--data_dir", "--strategy", "--compression", "--k",
@@ -79,7 +100,8 @@ def test_optimizer_flags_follow_the_library_defaults():
 
 def test_two_worker_cluster_trains_and_writes_metrics(tmp_path):
     rc = run_local_cluster([*TRAIN, "--compression=block", "--k=1", "--epochs=3",
-                            f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300)
+                            f"--model_dir={tmp_path}"], 2, env=ENV, cwd=ROOT,
+                           timeout_s=300)
     assert rc == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     for field in FIELDS:
@@ -146,7 +168,8 @@ def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
                             "--momentum_masking=waited",
                             "--density_warmup=0.5", "--epochs=6", "--steps_per_epoch=5",
                             "--stop_at_accuracy=0.01", "--min_epochs=2",
-                            f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300)
+                            f"--model_dir={tmp_path}"], 2, env=ENV, cwd=ROOT,
+                           timeout_s=300)
     assert rc == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["epochs_trained"] == 2 and m["steps"] == 10
@@ -197,7 +220,7 @@ def test_epoch_clock_counts_training_steps_only():
     clock sits in ``callbacks``."""
     import keras
 
-    from launch.train import epoch_clock
+    from launch.callbacks import epoch_clock
 
     now = [0.0]
 

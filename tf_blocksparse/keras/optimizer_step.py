@@ -14,8 +14,7 @@ import tensorflow as tf
 from tf_blocksparse import codec
 from tf_blocksparse.exchange import ExchangeResult, run_exchange
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.planning.fusion import plan_backward
-from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
 
 
 def fusion_plan(tensors: Sequence[Any], idx: Sequence[int], ranks: Sequence[int] | None,

@@ -5,13 +5,13 @@
 and then runs a *client* command that connects to them and drives one ``tf.function`` across
 all of them (the pipeline and hybrid trainers).  Optionally (Linux, root):
 
-- every process gets its own network namespace (:class:`launch.netem.NetworkCluster`) and the
-  link from worker ``i`` to worker ``j`` is shaped to ``pair_mbit[i][j]`` (e.g. from a
+- every process gets its own network namespace (:class:`launch.cluster.netem.NetworkCluster`)
+  and the link from worker ``i`` to worker ``j`` is shaped to ``pair_mbit[i][j]`` (e.g. from a
   :class:`~tf_blocksparse.planning.Topology`, :func:`topology_rates`); the client's own links
   are not shaped (it only feeds the input batches);
-- worker ``i``'s memory is capped at ``memory_mib[i]`` MiB (:class:`launch.cgroups.ResourceCap`);
-  a worker that needs more is killed by the kernel's out-of-memory killer, and the launcher
-  says so;
+- worker ``i``'s memory is capped at ``memory_mib[i]`` MiB
+  (:class:`launch.cluster.cgroups.ResourceCap`); a worker that needs more is killed by the
+  kernel's out-of-memory killer, and the launcher says so;
 - every worker (and the client) gets a CPU quota of ``worker_cpus`` CPUs, so that processes
   sharing this machine's cores compute like separate hosts of a fixed speed (a plan's
   predicted compute times then hold while every stage is busy).
@@ -37,9 +37,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from launch import local_cluster
-from launch.cgroups import ResourceCap, require_controller
-from launch.netem import NetworkCluster, require_privileges
+from launch.cluster import local, processes
+from launch.cluster.cgroups import ResourceCap, require_controller
+from launch.cluster.netem import NetworkCluster, require_privileges
 from tf_blocksparse.distribute.remote import CLUSTER_ENV, READY, TASK_ENV
 from tf_blocksparse.planning import Topology
 
@@ -105,7 +105,7 @@ class ServerCluster:
     Args:
         num_workers: Worker processes, >= 1.
         pair_mbit: Per-pair link rates among the workers (Mbit/s, see
-            :class:`launch.netem.NetworkCluster`); ``None``: unshaped.
+            :class:`launch.cluster.netem.NetworkCluster`); ``None``: unshaped.
         latency_ms: One-way delay on the workers' shaped links.
         memory_mib: Per worker, a memory cap in MiB or ``None`` (one value: every worker).
         worker_cpus: Per worker, a CPU quota in CPUs or ``None`` (one value: every worker).
@@ -144,15 +144,15 @@ class ServerCluster:
         self._net = (NetworkCluster(num_workers + 1, latency_ms=latency_ms, pair_mbit=pair_mbit)
                      if namespaces else None)  # the last namespace is the client's
         self.log_dir = log_dir
-        self._emit = local_cluster._Emitter(stream or sys.stdout)
+        self._emit = processes.Emitter(stream or sys.stdout)
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
         self.cluster: dict[str, list[str]] = {}
-        self.workers: list[local_cluster._Worker] = []
+        self.workers: list[processes.WorkerProcess] = []
         self.caps: list[ResourceCap | None] = []
         self._client_cap: ResourceCap | None = None
         self.idle_rss_bytes: list[int] = []
-        self._client: local_cluster._Worker | None = None
+        self._client: processes.WorkerProcess | None = None
 
     # ------------------------------------------------------------------ set-up, tear-down
     def __enter__(self) -> ServerCluster:
@@ -175,8 +175,8 @@ class ServerCluster:
         """Sets up namespaces and cgroups, starts the workers and waits until they listen.
 
         Raises:
-            launch.netem.NetemUnavailableError, launch.memcap.MemoryCapUnavailableError: Root
-                or kernel features missing.
+            launch.cluster.netem.NetemUnavailableError: Root or kernel features missing.
+            launch.cluster.cgroups.CgroupUnavailableError: Root or a controller missing.
             WorkerFailure: A worker exited or did not listen within ``ready_timeout_s``.
         """
         if self._net is not None:
@@ -189,7 +189,7 @@ class ServerCluster:
             self._net.setup()
             ports: list[int] = []
         else:
-            ports = local_cluster.pick_ports(self.num_workers + 1)
+            ports = local.pick_ports(self.num_workers + 1)
         n = self.num_workers
         self.cluster = {"worker": [self._address(i, ports) for i in range(n)],
                         "chief": [self._address(n, ports)]}
@@ -204,7 +204,7 @@ class ServerCluster:
                 cmd = self._net.wrap(cmd, i)
             if cap is not None:
                 cmd = cap.wrap(cmd)
-            self.workers.append(local_cluster._Worker(
+            self.workers.append(processes.WorkerProcess(
                 i, cmd, self._env({TASK_ENV: str(i)}), self._log(f"worker_{i}"), self._emit,
                 watch=READY))
         deadline = time.monotonic() + self.ready_timeout_s
@@ -236,7 +236,7 @@ class ServerCluster:
         """Stops every process and removes cgroups and namespaces (idempotent)."""
         procs = [w for w in [*self.workers, self._client] if w is not None]
         with contextlib.suppress(Exception):
-            local_cluster._terminate(procs, self.grace_s)
+            processes.terminate(procs, self.grace_s)
         for w in procs:
             w.join_reader(2.0)
         errors = []
@@ -281,7 +281,7 @@ class ServerCluster:
             cmd = self._net.wrap(cmd, self.num_workers)
         if self._client_cap is not None:
             cmd = self._client_cap.wrap(cmd)
-        client = local_cluster._Worker(self.num_workers, cmd, self._env(dict(env or {})),
+        client = processes.WorkerProcess(self.num_workers, cmd, self._env(dict(env or {})),
                                        self._log("client"), self._emit, label="client")
         self._client = client
         deadline = None if not timeout_s else time.monotonic() + timeout_s
@@ -289,21 +289,21 @@ class ServerCluster:
             rc = client.poll()
             dead = next((w for w in self.workers if w.poll() is not None), None)
             if dead is not None:
-                local_cluster._terminate([client], self.grace_s)
+                processes.terminate([client], self.grace_s)
                 client.join_reader(2.0)
                 raise self._failure(dead, "died while the client ran")
             if rc is not None:
                 client.join_reader(5.0)
                 return rc
             if deadline is not None and time.monotonic() > deadline:
-                local_cluster._terminate([client], self.grace_s)
+                processes.terminate([client], self.grace_s)
                 raise TimeoutError(f"client ran longer than timeout_s={timeout_s:g}")
             time.sleep(_POLL_S)
 
-    def _failure(self, w: local_cluster._Worker, what: str) -> WorkerFailure:
+    def _failure(self, w: processes.WorkerProcess, what: str) -> WorkerFailure:
         cap = self.caps[w.index] if w.index < len(self.caps) else None
         oom = bool(cap is not None and cap.oom_kills())
-        why = local_cluster._describe_exit(w.poll() if w.poll() is not None else 0)
+        why = processes.describe_exit(w.poll() if w.poll() is not None else 0)
         if oom:
             why += (f"; killed by the out-of-memory killer: it needed more than its memory "
                     f"cap of {self.memory_mib[w.index]} MiB")

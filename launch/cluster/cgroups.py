@@ -13,8 +13,8 @@ A :class:`ResourceCap` is one cgroup in the ``memory`` and/or the ``cpu`` hierar
 
 Processes join the cgroups before they allocate anything: :meth:`ResourceCap.wrap` prefixes a
 command with a tiny shell that writes its own pid into each ``cgroup.procs`` and then
-``exec``\\ s the command (same pid).  Put it outside ``ip netns exec`` (:mod:`launch.netem`),
-which remounts ``/sys``.
+``exec``\\ s the command (same pid).  Put it outside ``ip netns exec``
+(:mod:`launch.cluster.netem`), which remounts ``/sys``.
 
 Tear-down (:meth:`ResourceCap.close`: kill what is still inside, ``rmdir``) runs on
 ``__exit__`` and at interpreter exit, and is idempotent; :func:`cleanup_stale` removes the

@@ -1,0 +1,129 @@
+"""What the launch scripts share at run time: logical CPU devices, timers, machine facts.
+
+TensorFlow is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def logical_cpus(count: int, skip_on_gpu: bool = False) -> None:
+    """Splits the physical CPU into ``count`` logical devices ``/cpu:0 .. /cpu:count-1``.
+
+    Call it before TensorFlow initialises its devices.  Calling it again (or after the
+    devices were made with at least ``count`` logical CPUs) does nothing.
+
+    Args:
+        count: Logical CPUs wanted, >= 1.
+        skip_on_gpu: Do nothing on a machine with GPUs (the scripts then use the GPUs).
+
+    Raises:
+        ValueError: ``count`` < 1.
+        RuntimeError: TensorFlow is already initialised with fewer logical CPUs.
+    """
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"`count` must be an int >= 1, got {count!r}")
+    import tensorflow as tf
+
+    if skip_on_gpu and tf.config.list_physical_devices("GPU"):
+        return
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if len(tf.config.get_logical_device_configuration(cpu) or []) >= count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError as err:  # TF is initialised already
+        if len(tf.config.list_logical_devices("CPU")) < count:
+            raise RuntimeError(f"need {count} logical CPUs; configure them before TensorFlow "
+                               "initialises its devices") from err
+
+
+def fetch(out: Any) -> Any:
+    """Waits for a result: ``.numpy()`` of every tensor in a (nested) list, tuple or dict."""
+    if isinstance(out, list):
+        return [fetch(o) for o in out]
+    if isinstance(out, tuple):
+        return tuple(fetch(o) for o in out)
+    if isinstance(out, dict):
+        return {k: fetch(v) for k, v in out.items()}
+    return out.numpy() if hasattr(out, "numpy") else out
+
+
+def time_call(fn: Callable[[], Any], sync: Callable[[], Any] | None = None) -> float:
+    """Seconds of one call of ``fn``, its result fetched (:func:`fetch`) and ``sync()`` run."""
+    start = time.perf_counter()
+    fetch(fn())
+    if sync is not None:
+        sync()
+    return time.perf_counter() - start
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,
+                   sync: Callable[[], Any] | None = None) -> float:
+    """Median of ``repeats`` timed calls (:func:`time_call`) after ``warmup`` untimed ones.
+
+    Raises:
+        ValueError: ``repeats`` < 1 or ``warmup`` < 0.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need `repeats` >= 1 and `warmup` >= 0, got {repeats}, {warmup}")
+    for _ in range(warmup):
+        fetch(fn())
+    return statistics.median(time_call(fn, sync) for _ in range(repeats))
+
+
+def interleaved_seconds(fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 0
+                        ) -> dict[str, list[float]]:
+    """Times several functions interleaved (A B C A B C ...), so drifts hit all alike.
+
+    Returns:
+        Per name the seconds of its ``repeats`` timed calls (the ``warmup`` rounds before
+        them are not kept).
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need `repeats` >= 1 and `warmup` >= 0, got {repeats}, {warmup}")
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(warmup + repeats):
+        for name, fn in fns.items():
+            dt = time_call(fn)
+            if r >= warmup:
+                times[name].append(dt)
+    return times
+
+
+def replica_batch(strategy: Any, batch: int, image_size: int, classes: int
+                  ) -> tuple[Any, Any]:
+    """A fixed random batch per replica of ``strategy`` (a ``tf.distribute.Strategy``):
+    images ``x`` [batch, image_size, image_size, 3] and labels ``y`` [batch] in
+    ``[0, classes)``, each replica seeded by its replica id."""
+    import numpy as np
+    import tensorflow as tf
+
+    def data(ctx: Any, labels: bool) -> Any:
+        rng = np.random.default_rng(ctx.replica_id_in_sync_group)
+        if labels:
+            return tf.constant(rng.integers(0, classes, size=(batch,)), dtype=tf.int32)
+        return tf.constant(rng.standard_normal((batch, image_size, image_size, 3),
+                                               dtype=np.float32))
+
+    x = strategy.experimental_distribute_values_from_function(lambda c: data(c, False))
+    y = strategy.experimental_distribute_values_from_function(lambda c: data(c, True))
+    return x, y
+
+
+def machine_info() -> dict[str, Any]:
+    """Platform, CPU count, TF / Keras versions, logical CPUs and the accelerator kind."""
+    import keras
+    import tensorflow as tf
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "tensorflow": tf.__version__, "keras": keras.__version__,
+            "logical_cpus": len(tf.config.list_logical_devices("CPU")),
+            "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU"}
