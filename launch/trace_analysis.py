@@ -20,6 +20,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from tf_blocksparse import _compat
+
 BACKWARD_RULE = ("op name has a 'gradient_tape' or 'gradients' scope component, or op type "
                  "contains 'Backprop' or ends with 'Grad'")
 COLLECTIVE_RULE = ("op type starts with 'Collective' or 'Nccl' (not CollectiveAssignGroupV2 / "
@@ -49,7 +51,7 @@ def read_op_events(logdir: str) -> list[OpEvent]:
     paths = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))
     if not paths:
         raise RuntimeError(f"no *.xplane.pb under {logdir}/plugins/profile")
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    xplane_pb2 = _compat.xplane_proto()
 
     space = xplane_pb2.XSpace()
     with open(paths[-1], "rb") as f:

@@ -21,6 +21,7 @@ from absl import app, flags
 from launch import callbacks as cb
 from launch import runtime, script
 from launch.flags import define_flags, flag_names
+from tf_blocksparse import _compat
 
 FLAGS = flags.FLAGS
 
@@ -161,7 +162,7 @@ def run(argv_flags=FLAGS) -> dict:
         "test_examples": results.examples, "test_correct": results.correct,
         "test_counted": results.counted,
         "epochs": f.epochs, "epochs_trained": len(clock.train_s),
-        "initial_epoch": int(getattr(model, "_initial_epoch", 0) or 0),
+        "initial_epoch": _compat.resumed_epoch(model),
         "steps": int(opt.iterations.numpy()), "steps_per_epoch": steps,
         "wall_s": round(wall, 2), "payload_bytes_per_step": int(m["payload_bytes"]),
         "dense_bytes_per_step": int(m["dense_bytes"]),

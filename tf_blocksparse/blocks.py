@@ -37,6 +37,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from tf_blocksparse import _compat
+
 logger = logging.getLogger("tf_blocksparse")
 
 
@@ -281,10 +283,8 @@ def _as_rule(rule: str | BlockRule, argument: str) -> BlockRule:
 
 def _variable_owners(model: Any) -> dict[int, Any]:
     owners: dict[int, Any] = {}
-    layers = model._flatten_layers(include_self=False) if hasattr(model, "_flatten_layers") \
-        else getattr(model, "layers", [])
-    for layer in layers:
-        for v in getattr(layer, "_trainable_variables", []):
+    for layer in _compat.flatten_layers(model):
+        for v in _compat.own_trainable_variables(layer):
             owners.setdefault(id(v), layer)
     return owners
 

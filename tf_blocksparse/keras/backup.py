@@ -16,6 +16,7 @@ import shutil
 import keras
 import tensorflow as tf
 
+from tf_blocksparse import _compat
 from tf_blocksparse.distribute.strategy import worker_role
 
 
@@ -30,11 +31,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._is_chief = True
 
     def _use_dir(self, directory: str) -> None:
-        self.backup_dir = directory
-        self._weights_path = os.path.join(directory, "latest.weights.h5")
-        self._training_metadata_path = os.path.join(directory, "training_metadata.json")
-        self._prev_weights_path = f"{self._weights_path}.bkp"
-        self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"
+        _compat.set_backup_directory(self, directory)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         role = worker_role(

@@ -36,6 +36,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_blocksparse import _compat
 from tf_blocksparse.planning.fusion import execution_order
 
 __all__ = ["backward_ranks", "derive_execution_order", "forward_use_order",
@@ -74,7 +75,7 @@ def model_input_spec(model: keras.Model) -> Any:
         struct = None
     if struct is not None:
         return tf.nest.map_structure(_spec, struct)
-    shapes = getattr(model, "_build_shapes_dict", None) or {}
+    shapes = _compat.build_input_shapes(model)
     if len(shapes) == 1 and _required_call_args(model) == 1:
         shape = next(iter(shapes.values()))
         if isinstance(shape, (tuple, list)) and all(d is None or isinstance(d, int)
@@ -98,7 +99,7 @@ def _handles(variable: Any) -> list[Any]:
     if callable(value):  # a tf.Variable's .value() method, not a Keras variable
         value = variable
     if not isinstance(value, tf.Variable):  # a Keras variable read under autocast
-        value = getattr(variable, "_value", value)
+        value = _compat.variable_storage(variable)
     parts = getattr(value, "values", None)  # a distributed variable's per-replica components
     parts = parts if isinstance(parts, (tuple, list)) else (value,)
     return [p.handle for p in parts if isinstance(p, tf.Variable)]

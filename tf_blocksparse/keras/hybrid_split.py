@@ -20,6 +20,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_blocksparse import _compat
 from tf_blocksparse.planning.placement import LayerMemory
 
 __all__ = ["Boundary", "find_boundary", "layer_memory", "optimizer_slots", "split_model"]
@@ -59,13 +60,13 @@ def _functional(model: keras.Model) -> keras.Model:
                          "use a Sequential or functional model") from err
     if not inputs or not outputs or len(inputs) != 1 or len(outputs) != 1:
         raise ValueError(f"model {model.name!r} must have exactly one input and one output")
-    if isinstance(model, keras.Sequential) or not hasattr(model, "_nodes_by_depth"):
+    if isinstance(model, keras.Sequential) or _compat.nodes_by_depth(model) is None:
         return keras.Model(inputs[0], outputs[0], name=f"{model.name}_graph")
     return model
 
 
 def _topological_nodes(model: keras.Model) -> list[Any]:
-    graph = _functional(model)._nodes_by_depth
+    graph = _compat.nodes_by_depth(_functional(model))
     nodes = []
     for depth in sorted(graph, reverse=True):
         nodes.extend(n for n in graph[depth] if n.operation is not None and not n.is_input)
@@ -73,7 +74,7 @@ def _topological_nodes(model: keras.Model) -> list[Any]:
 
 
 def _producer(tensor: Any) -> str | None:
-    history = getattr(tensor, "_keras_history", None)
+    history = _compat.keras_history(tensor)
     if history is None or isinstance(history.operation, keras.layers.InputLayer):
         return None
     return history.operation.name

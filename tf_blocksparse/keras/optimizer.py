@@ -32,7 +32,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import blocks
+from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.keras import optimizer_step as step
@@ -45,7 +45,6 @@ from tf_blocksparse.keras.optimizer_args import (
     config_arguments,
     densify,
     discover_owners,
-    no_all_reduce,
     split_arguments,
 )
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
@@ -126,7 +125,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self.fusion_buffer_bytes = fusion_buffer_bytes
         self.clipping = rules
         self._model = model
-        inner._all_reduce_sum_gradients = no_all_reduce
+        _compat.disable_gradient_all_reduce(inner)
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
         self._backward_ranks: list[int] | None = None
@@ -135,7 +134,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self._velocities: list[keras.Variable] = []
 
     # -- state ---------------------------------------------------------------------------
-    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    @_compat.no_automatic_dependency_tracking
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         self.inner_optimizer.build(var_list)
         owners = None if self._model is not None else discover_owners(var_list)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from tf_blocksparse import _compat
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.options import (
     DEFAULT_DENSE_BELOW,
@@ -122,14 +122,7 @@ def discover_owners(variables: Sequence[Any]) -> dict[int, Any]:
     (a renamed ``Conv2DTranspose`` kernel must not be split like a ``Conv2D`` kernel).  One
     pass over the garbage collector's live objects at build time finds the layers.
     """
-    wanted = {id(v) for v in variables}
-    owners: dict[int, Any] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, keras.layers.Layer):
-            for v in getattr(obj, "_trainable_variables", ()):
-                if id(v) in wanted:
-                    owners.setdefault(id(v), obj)
-    return owners
+    return _compat.variable_owners(variables)
 
 
 def densify(g: Any, v: Any) -> tf.Tensor:

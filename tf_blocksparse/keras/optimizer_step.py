@@ -11,7 +11,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import codec
+from tf_blocksparse import _compat, codec
 from tf_blocksparse.exchange import ExchangeResult, run_exchange
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
@@ -59,7 +59,7 @@ def apply_inner(inner: keras.optimizers.Optimizer, nonfinite: str,
         inner.apply(list(updates), tvs)
         return
     if not tf.distribute.has_strategy() or \
-            tf.__internal__.distribute.strategy_supports_no_merge_call():
+            _compat.strategy_supports_no_merge_call():
         tf.cond(finite, lambda: inner.apply(list(updates), tvs), lambda: None)
         return
 

@@ -39,6 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_blocksparse import _compat
 from tf_blocksparse.planning import LayerProfile, ModelProfile
 
 __all__ = ["LayerMeasurement", "chain_layers", "measure_layers", "profile_model"]
@@ -88,7 +89,7 @@ def _graph_steps(model: keras.Model) -> tuple[list[int], list[_Step], list[int]]
         for i, layer in enumerate(layers):
             steps.append(_Step(layer, lambda d, i=i: ([d[i]], {}), [i], [i + 1]))
         return [0], steps, [len(layers)]
-    graph = getattr(model, "_nodes_by_depth", None)
+    graph = _compat.nodes_by_depth(model)
     if graph is None:
         raise ValueError(f"model {model.name!r} is not a Sequential or functional model; "
                          "subclassed models have no layer graph to profile")
