@@ -12,7 +12,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import BlockSparseOptimizer
+from tf_blocksparse import BlockSparseOptimizer, _compat
 from tf_blocksparse.clipping import LocalNormClip
 
 LEARNING_RATE = 0.05
@@ -42,8 +42,8 @@ class ReduceThenClipSGD(keras.optimizers.SGD):
     """SGD that clips the global norm of the *all-reduced* gradients.
 
     Keras clips (``clipnorm`` / ``global_clipnorm``) before its all-reduce; this hooks the
-    all-reduce (``_all_reduce_sum_gradients``, called by ``_backend_update_step`` in replica
-    context) and clips its result, so every replica clips the same aggregated gradient.
+    all-reduce (through :func:`tf_blocksparse._compat.after_gradient_all_reduce`) and clips
+    its result, so every replica clips the same aggregated gradient.
 
     Args:
         clip_norm: Global-norm threshold of the aggregated gradients.
@@ -53,9 +53,9 @@ class ReduceThenClipSGD(keras.optimizers.SGD):
     def __init__(self, clip_norm: float, **kwargs: Any):
         super().__init__(**kwargs)
         self.clip_norm = float(clip_norm)
+        _compat.after_gradient_all_reduce(self, self._clip_reduced)
 
-    def _all_reduce_sum_gradients(self, grads_and_vars: Any) -> list:
-        pairs = list(super()._all_reduce_sum_gradients(grads_and_vars))
+    def _clip_reduced(self, pairs: list) -> list:
         kept = [i for i, (g, _) in enumerate(pairs) if g is not None]
         clipped, _ = tf.clip_by_global_norm([pairs[i][0] for i in kept], self.clip_norm)
         for i, g in zip(kept, clipped):

@@ -47,12 +47,42 @@ def test_disable_gradient_all_reduce_stops_the_cross_replica_sum(mirrored2):
     assert not _compat.gradient_all_reduce_disabled(keras.optimizers.SGD(1.0))
 
 
+def test_after_gradient_all_reduce_sees_the_summed_gradients(mirrored2):
+    """The hook receives Keras' cross-replica sum (1 + 3 = 4 on both replicas) and what it
+    returns is applied (halved: w = -2)."""
+    with mirrored2.scope():
+        w = keras.Variable(np.zeros((1,), "float32"))
+        opt = keras.optimizers.SGD(1.0)
+        opt.build([w])
+    seen = []
+
+    def halve(pairs):
+        seen.append(len(pairs))
+        return [(g / 2.0, v) for g, v in pairs]
+
+    _compat.after_gradient_all_reduce(opt, halve)
+
+    @tf.function
+    def step():
+        def fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            opt.apply([tf.fill((1,), 1.0 + 2.0 * tf.cast(rid, tf.float32))], [w])
+        mirrored2.run(fn)
+
+    step()
+    assert seen and all(n == 1 for n in seen)
+    assert [float(v.numpy()[0]) for v in mirrored2.experimental_local_results(w.value)] == \
+        [-2.0, -2.0]
+
+
 def test_disable_gradient_all_reduce_names_an_unsupported_optimizer():
     class Plain:
         pass
 
     with pytest.raises(RuntimeError, match="_all_reduce_sum_gradients"):
         _compat.disable_gradient_all_reduce(Plain())
+    with pytest.raises(RuntimeError, match="_all_reduce_sum_gradients"):
+        _compat.after_gradient_all_reduce(Plain(), list)
 
 
 def test_no_automatic_dependency_tracking_keeps_variables_out_of_the_tracker():

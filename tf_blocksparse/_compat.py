@@ -43,6 +43,24 @@ def gradient_all_reduce_disabled(optimizer: Any) -> bool:
     return getattr(optimizer, "_all_reduce_sum_gradients", None) is _pass_through
 
 
+def after_gradient_all_reduce(optimizer: Any, fn: Callable[[list], list]) -> None:
+    """Makes a Keras optimizer pass its cross-replica gradient sum through ``fn``.
+
+    ``fn`` takes and returns the list of ``(summed gradient, variable)`` pairs Keras' own
+    all-reduce produced (identical on every replica), e.g. to clip the aggregated gradient.
+    """
+    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise RuntimeError(
+            f"{type(optimizer).__name__} has no `_all_reduce_sum_gradients`: this Keras "
+            f"version is not supported (tested: Keras {TESTED['keras']})")
+    reduce = optimizer._all_reduce_sum_gradients
+
+    def reduce_then(grads_and_vars: Any) -> list:
+        return fn(list(reduce(grads_and_vars)))
+
+    optimizer._all_reduce_sum_gradients = reduce_then
+
+
 def no_automatic_dependency_tracking(fn: Callable) -> Callable:
     """Keras' decorator that stops attribute assignments in ``fn`` from being tracked (lists
     assigned in an optimizer's ``build`` stay plain lists)."""
@@ -158,7 +176,8 @@ def xplane_proto() -> Any:
 
 
 __all__: Sequence[str] = [
-    "TESTED", "build_input_shapes", "disable_gradient_all_reduce", "flatten_layers",
+    "TESTED", "after_gradient_all_reduce", "build_input_shapes", "disable_gradient_all_reduce",
+    "flatten_layers",
     "gradient_all_reduce_disabled", "keras_history", "no_automatic_dependency_tracking",
     "nodes_by_depth", "own_trainable_variables", "resumed_epoch", "set_backup_directory",
     "strategy_cross_device_ops", "strategy_supports_no_merge_call", "variable_owners",
