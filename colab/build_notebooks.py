@@ -72,10 +72,22 @@ INSTALL = code(f'''
         return None
 
 
+    def loaded_distributions():
+        """{{distribution: version}} of the packages this session has imported."""
+        owners = importlib.metadata.packages_distributions()
+        versions = {{}}
+        for module in [m for m in sys.modules if "." not in m]:
+            for dist in owners.get(module, ()):
+                try:
+                    versions[dist] = importlib.metadata.version(dist)
+                except importlib.metadata.PackageNotFoundError:
+                    pass
+        return versions
+
+
     def install_tf_blocksparse(source):
         """pip-installs `source` into this kernel's interpreter; raises if that fails."""
-        loaded = {{name: sys.modules[name].__version__ for name in ("numpy", "keras")
-                  if name in sys.modules}}
+        loaded = loaded_distributions()
         print(f"installing tf_blocksparse from {{source}} ...", flush=True)
         try:
             subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", source])
@@ -86,8 +98,8 @@ INSTALL = code(f'''
                 "pip can reach (a git URL, a wheel or a checkout's path; in a notebook: "
                 "%env TFBS_SOURCE=...) and run this cell again.") from None
         importlib.invalidate_caches()
-        changed = [name for name, version in loaded.items()
-                   if importlib.metadata.version(name) != version]
+        now = loaded_distributions()
+        changed = sorted(dist for dist, version in loaded.items() if now.get(dist) != version)
         if changed:
             raise RuntimeError(
                 f"pip replaced {{', '.join(changed)}}, which this session had already loaded: "

@@ -12,6 +12,7 @@ temporary working directory; a cell that raises fails the test.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -91,6 +92,21 @@ def test_install_cell_installs_the_checkout_it_runs_in(tmp_path):
     assert proc.returncode != 0
     assert f"installing tf_blocksparse from {checkout} ..." in proc.stdout, proc.stdout
     assert f"pip could not install tf_blocksparse from '{checkout}'" in proc.stderr
+
+
+def test_install_cell_sees_which_loaded_packages_pip_would_replace():
+    """The helper that tells a session to restart after pip replaced a module it had loaded."""
+    tree = ast.parse(_install_cell(NOTEBOOKS[0]))
+    tree.body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom,
+                                                         ast.FunctionDef))
+                 and not (isinstance(n, ast.Import) and n.names[0].name == "tf_blocksparse")]
+    helpers: dict = {}
+    exec(compile(tree, "install cell", "exec"), helpers)  # its imports and functions only
+    import numpy
+
+    loaded = helpers["loaded_distributions"]()
+    assert loaded["numpy"] == numpy.__version__
+    assert "pytest" in loaded
 
 
 def test_install_cell_installs_nothing_where_the_package_imports(tmp_path):
