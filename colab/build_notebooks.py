@@ -389,8 +389,9 @@ QUICKSTART = [
         * Element top-k at 5% density sends several times the bytes of block k=1 (every value
           carries its own int32 index).  Its selection is a `top_k` over every entry of every
           tensor (about 6x the block selection's time on ResNet-50's gradients, see the
-          README's benchmark), and its payload has no structure; `compression_anatomy.ipynb`
-          takes one gradient apart to show what each kind of selection keeps.
+          selection benchmark in the project's `docs/results.md`), and its payload has no
+          structure; `compression_anatomy.ipynb` takes one gradient apart to show what each
+          kind of selection keeps.
         * `exchange="allgather"` (the default) lets each replica pick its own blocks;
           `exchange="shared"` sums block scores first so every replica sends the same blocks
           (bytes stay flat as replicas are added).  Across processes use
