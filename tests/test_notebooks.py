@@ -130,6 +130,12 @@ def test_readme_links_every_notebook_with_a_colab_badge():
     for name in NOTEBOOKS:
         assert f"blob/main/colab/{name}.ipynb" in readme, f"README does not link {name}"
     assert readme.count("colab-badge.svg") >= len(NOTEBOOKS)
+    # the badges, the README's install command and the install cell name one repository
+    url = _load_generator().PROJECT_URL
+    assert f"git+{url}" in readme
+    repo = url.removeprefix("https://github.com/")
+    for name in NOTEBOOKS:
+        assert f"colab.research.google.com/github/{repo}/blob/main/colab/{name}.ipynb" in readme
 
 
 @pytest.fixture(scope="module")
