@@ -1,4 +1,6 @@
 # Set-up, tests and demo for tf_blocksparse.  `make demo` and `make test` are the entry points.
+# The scripts run from the repository root as modules (`python -m launch.train`): launch/,
+# models/ and tests/ are folders of the repository, not installed packages.
 
 VENV ?= .venv
 PY = $(VENV)/bin/python
@@ -7,15 +9,19 @@ FASHION_DIR ?= /usr/share/datasets/fashion-mnist
 PYTEST_FLAGS = -q -x -p no:cacheprovider
 
 export TF_CPP_MIN_LOG_LEVEL = 2
+# Worker processes that tests and benchmarks start by file path import launch/ and models/ too.
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: venv data test test-slow test-notebooks lint demo bench bench-full bench-micro bench-cluster clean
 
 venv: $(STAMP)
 
+# The library (editable) with what the scripts, benchmarks and tests need (see pyproject.toml).
 # Re-install only when pyproject.toml changes (or the venv is new).
+EXTRAS ?= launch,bench,dev
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	@touch $@
 
 # Debian's Fashion-MNIST IDX files; optional (the loaders fall back to sklearn digits).
@@ -51,18 +57,18 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 demo: venv data
-	$(PY) launch/demo.py
+	$(PY) -m launch.demo
 
 # Evidence, quick versions (< 20 min on 2 cores) into benchmarks/results/quick/.
 # Time to accuracy needs root (network namespaces + tc); it is skipped with a note otherwise.
 BENCH_QUICK = benchmarks/results/quick
 bench: venv data
-	$(PY) launch/project_scaling.py --out=$(BENCH_QUICK)/scaling.json
-	$(PY) launch/bench_convergence.py --models=cnn_small --seeds=0 --epochs=1 \
+	$(PY) -m launch.project_scaling --out=$(BENCH_QUICK)/scaling.json
+	$(PY) -m launch.bench_convergence --models=cnn_small --seeds=0 --epochs=1 \
 		--train_samples=6000 --test_samples=2000 --methods=dense,block_default,block_source \
 		--out=$(BENCH_QUICK)
 	@if [ "$$(id -u)" = "0" ]; then \
-		$(PY) launch/bench_time_to_accuracy.py --models=vgg_fc --bandwidths_mbit=100 \
+		$(PY) -m launch.bench_time_to_accuracy --models=vgg_fc --bandwidths_mbit=100 \
 			--methods=dense,block_shared,topk --epochs=4 --steps_per_epoch=10 \
 			--sparse_epoch_factor=3 --test_samples=1000 --out=$(BENCH_QUICK); \
 	else echo "bench: time to accuracy skipped (needs root for network namespaces)"; fi
@@ -71,20 +77,20 @@ bench: venv data
 # Convergence runs seed by seed and keeps finished runs (--resume continues an interrupted one).
 BENCH = benchmarks/results
 bench-full: venv data
-	$(PY) launch/project_scaling.py --out=$(BENCH)/scaling.json
-	$(PY) launch/demo.py --out=runs/demo
+	$(PY) -m launch.project_scaling --out=$(BENCH)/scaling.json
+	$(PY) -m launch.demo --out=runs/demo
 	cp runs/demo/results.json $(BENCH)/demo.json
 	cp runs/demo/accuracy_vs_bytes.png $(BENCH)/demo_accuracy_vs_bytes.png
-	$(PY) launch/bench_convergence.py --models=cnn_small --seeds=0,1,2 \
+	$(PY) -m launch.bench_convergence --models=cnn_small --seeds=0,1,2 \
 		--methods=dense,block_default,block_source --resume --out=$(BENCH)
-	$(PY) launch/bench_convergence.py --models=resnet20 --seeds=0,1,2 \
+	$(PY) -m launch.bench_convergence --models=resnet20 --seeds=0,1,2 \
 		--methods=dense,block_default --resume --out=$(BENCH)
-	$(PY) launch/bench_convergence.py --models=cnn_small --seeds=0,1,2 \
+	$(PY) -m launch.bench_convergence --models=cnn_small --seeds=0,1,2 \
 		--methods=topk_1pct,block_k1_dgc,block_k1_waited --resume --out=$(BENCH)
-	$(PY) launch/bench_convergence.py --models=resnet20 --seeds=0,1,2 \
+	$(PY) -m launch.bench_convergence --models=resnet20 --seeds=0,1,2 \
 		--methods=block_k1_waited --resume --out=$(BENCH)
 	@if [ "$$(id -u)" = "0" ]; then \
-		$(PY) launch/bench_time_to_accuracy.py --models=vgg_fc,resnet20 \
+		$(PY) -m launch.bench_time_to_accuracy --models=vgg_fc,resnet20 \
 			--bandwidths_mbit=100,1000 --epochs=8 --steps_per_epoch=15 \
 			--model_steps_per_epoch=resnet20=50 --sparse_epoch_factor=4 --density=0.05 \
 			--test_samples=2000 --out=$(BENCH); \
@@ -105,11 +111,11 @@ bench-cluster: venv data
 
 # Micro-benchmarks of single features (each prints one JSON object).
 bench-micro: venv
-	$(PY) launch/bench_selection.py
-	$(PY) launch/bench_fusion.py
-	$(PY) launch/bench_clipping.py
-	$(PY) launch/bench_pipeline.py
-	$(PY) launch/bench_hybrid.py
+	$(PY) -m launch.bench_selection
+	$(PY) -m launch.bench_fusion
+	$(PY) -m launch.bench_clipping
+	$(PY) -m launch.bench_pipeline
+	$(PY) -m launch.bench_hybrid
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis runs

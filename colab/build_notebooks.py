@@ -7,9 +7,12 @@ executes every notebook top to bottom).
     python colab/build_notebooks.py           # (re)write colab/*.ipynb
     python colab/build_notebooks.py --check   # exit 1 if a committed notebook is stale
 
-Every notebook starts with the same install cell: on Colab it pip-installs the package from
-``REPO`` (adjust it to the repository's GitHub address); where ``tf_blocksparse`` is already
-importable (``make venv`` installs it in editable mode) it does nothing.  Data: Fashion-MNIST
+Every notebook starts with the same install cell.  Where ``tf_blocksparse`` is already
+importable (a checkout after ``make test``, which installs it in editable mode) it installs
+nothing; otherwise it pip-installs ``TFBS_SOURCE`` (an environment variable: a pip requirement,
+a git URL or a path), by default the repository checkout the notebook runs in, else the
+project's git URL (``PROJECT_URL``).  A failed install stops the notebook with an error that
+says what was tried and what to do.  Data: Fashion-MNIST
 from Debian's ``dataset-fashion-mnist`` files when present, Keras' download on Colab, else
 scikit-learn's bundled digits (offline).
 """
@@ -26,8 +29,9 @@ from nbformat import v4
 
 HERE = Path(__file__).resolve().parent
 
-#: The repository the Colab install cell pip-installs from (a placeholder: adjust it).
-REPO = "https://github.com/tf-blocksparse/tf_blocksparse"
+#: The project's repository; the install cell pip-installs it where no checkout is found
+#: (on Colab).  The notebooks' "Open in Colab" badges in README.md point into it as well.
+PROJECT_URL = "https://github.com/tf-blocksparse/tf_blocksparse"
 
 Cell = tuple[str, str]  # ("md" | "code", source)
 
@@ -44,15 +48,76 @@ def code(*parts: str) -> Cell:
 # --------------------------------------------------------------------------- shared cells
 
 INSTALL = code(f'''
-    # Install.  On Colab this pip-installs tf_blocksparse from GitHub (about a minute); where
-    # the package is already importable (a local checkout after `make venv`) it does nothing.
+    # Install tf_blocksparse where it is not importable yet (on Colab: about a minute).
+    # TFBS_SOURCE (environment variable) chooses what pip installs: a requirement, a git URL or
+    # a path; by default the repository checkout this notebook runs in, else the project's
+    # repository.  A failed install stops here with an error (Run all stops too).
+    import importlib
+    import importlib.metadata
     import importlib.util
     import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    REPO = "{REPO}"  # adjust: the repository's GitHub URL
-    if importlib.util.find_spec("tf_blocksparse") is None:
-        %pip install -q "git+{{REPO}}"
+    PROJECT_URL = "git+{PROJECT_URL}"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quieter TensorFlow start-up
+
+
+    def find_checkout(start):
+        """The repository checkout holding the folder `start`, or None."""
+        for folder in (start, *start.parents):
+            if (folder / "pyproject.toml").is_file() and (folder / "tf_blocksparse").is_dir():
+                return folder
+        return None
+
+
+    def loaded_distributions():
+        """{{distribution: version}} of the packages this session has imported."""
+        owners = importlib.metadata.packages_distributions()
+        versions = {{}}
+        for module in [m for m in sys.modules if "." not in m]:
+            for dist in owners.get(module, ()):
+                try:
+                    versions[dist] = importlib.metadata.version(dist)
+                except importlib.metadata.PackageNotFoundError:
+                    pass
+        return versions
+
+
+    def install_tf_blocksparse(source):
+        """pip-installs `source` into this kernel's interpreter; raises if that fails."""
+        loaded = loaded_distributions()
+        print(f"installing tf_blocksparse from {{source}} ...", flush=True)
+        try:
+            subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", source])
+        except subprocess.CalledProcessError as err:
+            raise RuntimeError(
+                f"pip could not install tf_blocksparse from {{source!r}} (exit code "
+                f"{{err.returncode}}; pip's messages are above).  Point TFBS_SOURCE at a source "
+                "pip can reach (a git URL, a wheel or a checkout's path; in a notebook: "
+                "%env TFBS_SOURCE=...) and run this cell again.") from None
+        importlib.invalidate_caches()
+        now = loaded_distributions()
+        changed = sorted(dist for dist, version in loaded.items() if now.get(dist) != version)
+        if changed:
+            raise RuntimeError(
+                f"pip replaced {{', '.join(changed)}}, which this session had already loaded: "
+                "restart the session (Colab: Runtime > Restart session) and run all cells "
+                "again; the package is installed now, so this cell will not install it again.")
+
+
+    if (importlib.util.find_spec("tf_blocksparse") is None
+            or os.environ.get("TFBS_FORCE_INSTALL") == "1"):
+        checkout = find_checkout(Path.cwd())
+        install_tf_blocksparse(os.environ.get("TFBS_SOURCE") or str(checkout or PROJECT_URL))
+    try:
+        import tf_blocksparse
+    except ImportError as err:
+        raise RuntimeError(
+            f"tf_blocksparse is installed but does not import ({{err}}); check that this "
+            "runtime has Python >= 3.10, TensorFlow 2.21 and Keras 3.15.") from err
+    print("tf_blocksparse from", Path(tf_blocksparse.__file__).parent)
 ''')
 
 def logical_cpus(n: int = 2, why: str = "MirroredStrategy gets two replicas") -> str:
@@ -82,9 +147,12 @@ DATA = code('''
         loader, `launch/data.py`), Keras' download (on Colab, which has internet access), or
         scikit-learn's bundled 8x8 digits (offline, a stand-in with the same interface).
         """
+        checkout = find_checkout(Path.cwd())  # launch/ is a folder of the repository
+        if checkout is not None and str(checkout) not in sys.path:
+            sys.path.append(str(checkout))
         try:
             from launch import data
-        except ImportError:  # installed without the launch scripts
+        except ImportError:  # not in a checkout (on Colab)
             data = None
         if data is not None and data.fashion_mnist_available(FASHION_DIR):
             (x, y), (xt, yt) = data.load_fashion_mnist(FASHION_DIR)
@@ -175,7 +243,6 @@ QUICKSTART = [
     '''),
     INSTALL,
     code('''
-        import sys
         import time
 
         import keras
@@ -322,8 +389,9 @@ QUICKSTART = [
         * Element top-k at 5% density sends several times the bytes of block k=1 (every value
           carries its own int32 index).  Its selection is a `top_k` over every entry of every
           tensor (about 6x the block selection's time on ResNet-50's gradients, see the
-          README's benchmark), and its payload has no structure; `compression_anatomy.ipynb`
-          takes one gradient apart to show what each kind of selection keeps.
+          selection benchmark in the project's `docs/results.md`), and its payload has no
+          structure; `compression_anatomy.ipynb` takes one gradient apart to show what each
+          kind of selection keeps.
         * `exchange="allgather"` (the default) lets each replica pick its own blocks;
           `exchange="shared"` sums block scores first so every replica sends the same blocks
           (bytes stay flat as replicas are added).  Across processes use
@@ -354,7 +422,6 @@ ANATOMY = [
     '''),
     INSTALL,
     code('''
-        import sys
 
         import keras
         import matplotlib.pyplot as plt
@@ -683,7 +750,7 @@ PLANNER = [
     md(f'''
         # Pipeline planning on heterogeneous links
 
-        The pipeline planner (SPEC S3) splits a chain model into consecutive stages and places
+        The pipeline planner splits a chain model into consecutive stages and places
         each stage on a run of devices (data parallel inside the stage), minimising the slowest
         stage's time per micro-batch:
         `T_s = compute / replicas + activation bytes in / link bandwidth + ring all-reduce of
@@ -697,7 +764,6 @@ PLANNER = [
     '''),
     INSTALL,
     code('''
-        import sys
         import time
 
         import keras
@@ -974,7 +1040,7 @@ HYBRID = [
         # Hybrid conv/FC training and memory-aware placement
 
         Convolutional layers hold few parameters and do most of the compute; fully-connected
-        layers hold most of the parameters and little compute.  The hybrid scheme (SPEC S4)
+        layers hold most of the parameters and little compute.  The hybrid scheme
         splits a CNN at that boundary: group A trains the conv trunk data parallel on `I`
         replicas, group B trains the FC head on `J` replicas, and only the boundary activation
         (and its gradient) travels between them.  The head's large weights and optimizer state
@@ -992,7 +1058,6 @@ HYBRID = [
     INSTALL,
     code('''
         import math
-        import sys
         import time
 
         import keras
@@ -1000,14 +1065,10 @@ HYBRID = [
         import numpy as np
         import tensorflow as tf
 
-        from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
-        from tf_blocksparse.keras.hybrid_split import find_boundary, layer_memory, split_model
+        from tf_blocksparse import HybridTrainer, find_boundary, split_model
+        from tf_blocksparse.keras.hybrid_split import layer_memory
         from tf_blocksparse.keras.profiler import measure_layers
-        from tf_blocksparse.planning.placement import (
-            MemoryBudget,
-            evaluate_placement,
-            plan_placement,
-        )
+        from tf_blocksparse.planning import MemoryBudget, evaluate_placement, plan_placement
     ''', logical_cpus(4, "2 conv replicas, 1 FC replica, expanded memory")),
     md('''
         ## The conv/FC boundary
@@ -1135,8 +1196,8 @@ HYBRID = [
         plt.show()
     '''),
     md('''
-        `evaluate_placement` prices any placement you choose, e.g. the product default of
-        SPEC S4 -- the whole FC group in expanded memory (`offload_fc_group=True` in
+        `evaluate_placement` prices any placement you choose, e.g. the simplest
+        placement -- the whole FC group in expanded memory (`offload_fc_group=True` in
         `plan_placement`) -- against keeping everything on the device.
     '''),
     code('''
@@ -1232,7 +1293,7 @@ HYBRID = [
           the largest offloaded layer sets a floor); the cost model prices each choice.
         * `HybridTrainer` runs the plan: gradients equal full-batch training's, offloaded
           layers keep their state on the host device, and each group can use dense or
-          block-sparse exchange.  `python launch/train_hybrid.py --help` has the command-line
+          block-sparse exchange.  `python -m launch.train_hybrid --help` has the command-line
           version, with a data-parallel reference run.
     '''),
 ]
