@@ -19,60 +19,54 @@ def test_tested_versions_are_the_installed_ones():
     assert keras.__version__.startswith(_compat.TESTED["keras"] + ".")
 
 
-def test_disable_gradient_all_reduce_stops_the_cross_replica_sum(mirrored2):
-    """Two replicas apply gradients 1 and 3 to one mirrored variable with SGD(lr=1): Keras
-    sums them (w = -4); with the hook each replica's own gradient is applied (per replica
-    w = -1 / -3), which is what a wrapper that already exchanged relies on."""
-    def run(disabled: bool) -> list[float]:
-        with mirrored2.scope():
-            w = keras.Variable(np.zeros((1,), "float32"))
-            opt = keras.optimizers.SGD(1.0)
-            opt.build([w])
-        if disabled:
-            _compat.disable_gradient_all_reduce(opt)
-            assert _compat.gradient_all_reduce_disabled(opt)
-
-        @tf.function
-        def step():
-            def fn():
-                rid = tf.distribute.get_replica_context().replica_id_in_sync_group
-                opt.apply([tf.fill((1,), 1.0 + 2.0 * tf.cast(rid, tf.float32))], [w])
-            mirrored2.run(fn)
-
-        step()
-        return [float(v.numpy()[0]) for v in mirrored2.experimental_local_results(w.value)]
-
-    assert run(False) == [-4.0, -4.0]
-    assert sorted(run(True)) == [-3.0, -1.0]
-    assert not _compat.gradient_all_reduce_disabled(keras.optimizers.SGD(1.0))
-
-
-def test_after_gradient_all_reduce_sees_the_summed_gradients(mirrored2):
-    """The hook receives Keras' cross-replica sum (1 + 3 = 4 on both replicas) and what it
-    returns is applied (halved: w = -2)."""
-    with mirrored2.scope():
+def _sgd_step_on_two_replicas(strategy, hook=None) -> list[float]:
+    """One ``SGD(lr=1).apply`` of gradient 1 (replica 0) and 3 (replica 1) to a mirrored
+    zero; ``hook(opt)`` may change the optimizer first.  Returns the per-replica weights."""
+    with strategy.scope():
         w = keras.Variable(np.zeros((1,), "float32"))
         opt = keras.optimizers.SGD(1.0)
         opt.build([w])
-    seen = []
-
-    def halve(pairs):
-        seen.append(len(pairs))
-        return [(g / 2.0, v) for g, v in pairs]
-
-    _compat.after_gradient_all_reduce(opt, halve)
+    if hook is not None:
+        hook(opt)
 
     @tf.function
     def step():
         def fn():
             rid = tf.distribute.get_replica_context().replica_id_in_sync_group
             opt.apply([tf.fill((1,), 1.0 + 2.0 * tf.cast(rid, tf.float32))], [w])
-        mirrored2.run(fn)
+        strategy.run(fn)
 
     step()
-    assert seen and all(n == 1 for n in seen)
-    assert [float(v.numpy()[0]) for v in mirrored2.experimental_local_results(w.value)] == \
-        [-2.0, -2.0]
+    return [float(v.numpy()[0]) for v in strategy.experimental_local_results(w.value)]
+
+
+def test_disable_gradient_all_reduce_stops_the_cross_replica_sum(mirrored2):
+    """Keras sums the two replicas' gradients (w = -4); with the hook each replica's own
+    gradient is applied (w = -1 / -3), which is what a wrapper that already exchanged
+    relies on."""
+    def disable(opt):
+        _compat.disable_gradient_all_reduce(opt)
+        assert _compat.gradient_all_reduce_disabled(opt)
+
+    assert _sgd_step_on_two_replicas(mirrored2) == [-4.0, -4.0]
+    assert sorted(_sgd_step_on_two_replicas(mirrored2, disable)) == [-3.0, -1.0]
+    assert not _compat.gradient_all_reduce_disabled(keras.optimizers.SGD(1.0))
+
+
+def test_after_gradient_all_reduce_sees_the_summed_gradients(mirrored2):
+    """The hook receives Keras' cross-replica sum (1 + 3 = 4 on both replicas) and what it
+    returns is applied (halved: w = -2)."""
+    seen = []
+
+    def halve(pairs):
+        seen.append([float(g.numpy()[0]) if tf.executing_eagerly() else None
+                     for g, _ in pairs])
+        return [(g / 2.0, v) for g, v in pairs]
+
+    weights = _sgd_step_on_two_replicas(
+        mirrored2, lambda opt: _compat.after_gradient_all_reduce(opt, halve))
+    assert seen and all(len(pairs) == 1 for pairs in seen)
+    assert weights == [-2.0, -2.0]
 
 
 def test_disable_gradient_all_reduce_names_an_unsupported_optimizer():

@@ -38,6 +38,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from launch.cluster.processes import pid_alive
+
 #: Where the cgroup v1 hierarchies are mounted (``memory``, ``cpu`` below it).
 CGROUP_ROOT = "/sys/fs/cgroup"
 #: Name prefix root of the cgroups made here: ``tfbs<pid>-<n>``.
@@ -77,16 +79,6 @@ def require_controller(controller: str, root: str = CGROUP_ROOT) -> str:
             f"the cgroup v1 {controller} controller is not mounted at {path} (cgroup "
             f"v2-only hosts are not supported); drop the {controller} cap flags")
     return path
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kill_all(path: str) -> None:
@@ -133,7 +125,7 @@ def cleanup_stale(root: str = CGROUP_ROOT) -> list[str]:
             continue
         for name in sorted(os.listdir(base)):
             m = _STALE_RE.match(name)
-            if m and not _pid_alive(int(m.group(1))):
+            if m and not pid_alive(int(m.group(1))):
                 _remove(os.path.join(base, name))
                 removed.append(os.path.join(base, name))
     return removed

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from launch.cluster.processes import pid_alive
+
 #: Default namespace-name prefix root; a cluster's prefix is ``tfbs<pid>-<n>-``.
 PREFIX_ROOT = "tfbs"
 #: First candidate subnet; the default picks ``10.213.<x>.0/24`` clear of the root namespace.
@@ -108,16 +110,6 @@ def delete_namespace(ip: str, ns: str, kill: bool = True) -> bool:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale(prefix: str | None = None) -> list[str]:
     """Removes namespaces left behind by killed runs (and the links inside them).
 
@@ -140,7 +132,7 @@ def cleanup_stale(prefix: str | None = None) -> list[str]:
     for ns in list_namespaces():
         if prefix is None:
             m = _STALE_RE.match(ns)
-            if not m or _pid_alive(int(m.group(1))):
+            if not m or pid_alive(int(m.group(1))):
                 continue
         elif not re.fullmatch(re.escape(prefix) + r"(?:w\d+|br)", ns):
             continue

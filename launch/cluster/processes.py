@@ -23,6 +23,17 @@ POLL_S = 0.05
 READER_JOIN_S = 5.0
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one that belongs to another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def describe_exit(returncode: int) -> str:
     """Human-readable exit status (``exit code 3`` or ``exit code -9 (SIGKILL)``)."""
     if returncode < 0:
