@@ -23,6 +23,7 @@ from launch import runtime, script
 from models import registry
 from tf_blocksparse import blocks, codec, selection
 from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.options import METRICS
 
 FLAGS = flags.FLAGS
 
@@ -30,7 +31,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     flags.DEFINE_integer("k", None, "Blocks kept per variable (default 1).")
     flags.DEFINE_float("density", None, "Fraction of blocks kept per variable.")
-    flags.DEFINE_enum("metric", "l1", ["l1", "l2"], "Block score.")
+    flags.DEFINE_enum("metric", "l1", list(METRICS), "Block score.")
     flags.DEFINE_integer("repeats", 9, "Timed runs per measurement (median reported).",
                          lower_bound=1)
     flags.DEFINE_enum("model", "resnet50", ["resnet50", "vgg16"], "Registry model whose "

@@ -35,6 +35,7 @@ from absl import app, flags
 
 from launch import experiments, script
 from launch import flags as train_flags
+from tf_blocksparse.options import MASKINGS
 
 FLAGS = flags.FLAGS
 TTA_METHODS = experiments.TIME_TO_ACCURACY_METHODS
@@ -66,7 +67,7 @@ def define_flags() -> None:
     flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
     flags.DEFINE_list("model_lr", ["vgg_fc=0.01"], "Per-model learning rates MODEL=LR "
                       "overriding --lr (vgg_fc has no normalisation; 0.05 oscillates).")
-    flags.DEFINE_enum("momentum_masking", "all", ["all", "waited", "none"], "Sparse methods: "
+    flags.DEFINE_enum("momentum_masking", "all", list(MASKINGS), "Sparse methods: "
                       "which sent blocks leave the local momentum (launch/train.py "
                       "--momentum_masking); one value for every sparse method and model.")
     flags.DEFINE_integer("dense_below", None, "Sparse methods send variables with fewer "

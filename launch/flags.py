@@ -8,6 +8,7 @@ from __future__ import annotations
 from absl import flags
 
 from models.registry import DATASET_MODELS
+from tf_blocksparse.options import MASKINGS, METRICS, SPARSE_EXCHANGES
 
 #: The registry models ``--model`` accepts (those that train on the launch data sets).
 MODELS = list(DATASET_MODELS)
@@ -86,8 +87,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("k", None, "Blocks kept per variable per step (default 1).", **fv)
     flags.DEFINE_float("density", None, "Fraction of blocks (elements for topk) kept per "
                        "variable; exclusive with --k. topk defaults to 0.01.", **fv)
-    flags.DEFINE_enum("metric", "l1", ["l1", "l2"], "Block score.", **fv)
-    flags.DEFINE_enum("exchange", "allgather", ["allgather", "shared"],
+    flags.DEFINE_enum("metric", "l1", list(METRICS), "Block score.", **fv)
+    flags.DEFINE_enum("exchange", "allgather", list(SPARSE_EXCHANGES),
                       "Sparse exchange mode (ignored for --compression=dense).", **fv)
     flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1, **fv)
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0 = one pass over "
@@ -102,7 +103,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "the exchange (the inner SGD's global momentum, the literal form) "
                          "instead of per worker before it.  Dense is unaffected (the two are "
                          "the same math).", **fv)
-    flags.DEFINE_enum("momentum_masking", None, ["all", "waited", "none"],
+    flags.DEFINE_enum("momentum_masking", None, list(MASKINGS),
                       "Sparse methods with local momentum: which sent blocks leave the local "
                       "momentum (all: DGC factor masking; waited: only blocks that had "
                       "waited; none).  Default: the library's (all).", **fv)

@@ -228,7 +228,7 @@ def rule_for(path: str, shape: Sequence[int], layer: Any = None,
         raise ValueError(f"variable {path!r} has no elements (shape {shape}); nothing to split")
     for pattern, rule in (overrides or {}).items():
         if re.search(pattern, path):
-            return BlockLayout(path, shape, _as_rule(rule, "overrides"), None)
+            return BlockLayout(path, shape, as_rule(rule, "overrides"), None)
     var_name = path.split("/")[-1]
     classes = _class_names(layer) if layer is not None else []
     inferred = infer_layer_class(path)
@@ -272,7 +272,12 @@ def _einsum_kernel_rule(equation: str | None, rank: int) -> BlockRule | None:
     return {1: OUTPUT_CHANNEL, 2: OUTPUT_UNIT_2D}.get(trailing)
 
 
-def _as_rule(rule: str | BlockRule, argument: str) -> BlockRule:
+def as_rule(rule: str | BlockRule, argument: str) -> BlockRule:
+    """``rule`` as a :class:`BlockRule` (a rule, or the name of one in the table).
+
+    Raises:
+      ValueError: An unknown name; the message starts with ``argument``.
+    """
     if isinstance(rule, BlockRule):
         return rule
     if rule not in RULES:

@@ -114,7 +114,7 @@ def validate_block_rules(rules: Any) -> tuple[tuple[str, str | blocks.BlockRule]
         except re.error as err:
             raise ValueError(f"`block_rules`: pattern {pattern!r} is not a valid regular "
                              f"expression ({err})") from err
-        blocks._as_rule(rule, f"`block_rules`[{pattern!r}]")
+        blocks.as_rule(rule, f"`block_rules`[{pattern!r}]")
         out.append((pattern, rule))
     return tuple(out)
 

@@ -109,11 +109,6 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
     return options, None if policy is None else policy.resolve(inner, options.sparse)
 
 
-def no_all_reduce(grads_and_vars: Any) -> list:
-    """Replaces the inner optimizer's all-reduce: the wrapper already exchanged."""
-    return list(grads_and_vars)
-
-
 @tf.autograph.experimental.do_not_convert
 def discover_owners(variables: Sequence[Any]) -> dict[int, Any]:
     """Maps ``id(variable)`` to the live Keras layer that created it.
