@@ -51,6 +51,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_workers", 4, "Worker processes.", lower_bound=1)
     flags.DEFINE_float("density", 0.05, "Fraction kept by block and element top-k.")
     flags.register_validator("density", lambda d: 0.0 < d <= 1.0, "--density must be in (0, 1]")
+    flags.register_validator("rerun", lambda m: not m or experiments.known_methods(
+        m, TTA_METHODS), f"--rerun must list methods of {list(TTA_METHODS)}")
     flags.register_validator("methods", lambda m: experiments.known_methods(m, TTA_METHODS),
                              f"--methods must be a non-empty list of {list(TTA_METHODS)}")
     flags.register_validator("models", lambda m: experiments.known_methods(
@@ -85,7 +87,10 @@ def define_flags() -> None:
     flags.DEFINE_boolean("resume", False, "Keep the groups (model x bandwidth) already in "
                          "OUT/time_to_accuracy.json with the same budget, and those of models "
                          "not in --models (each group keeps its budget in group_budgets); run "
-                         "the rest.")
+                         "the rest, and the --methods a kept group lacks.")
+    flags.DEFINE_list("rerun", [], "With --resume: methods to run again in kept groups "
+                      "(e.g. dense, to measure it side by side with a method added now; "
+                      "the target does not move: runs are deterministic).")
     flags.DEFINE_float("target_drop", 0.003, "Target = dense final accuracy minus this.")
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
@@ -110,6 +115,23 @@ def steady_step_s(record: dict) -> float | None:
     median = (per_epoch[mid] if len(per_epoch) % 2
               else 0.5 * (per_epoch[mid - 1] + per_epoch[mid]))
     return round(median / record["steps_per_epoch"], 4)
+
+
+def step_breakdown(record: dict) -> dict:
+    """Where one step's time goes (seconds): ``compute_s`` (forward, backward, input and
+    everything outside the optimizer wrapper), ``compression_s`` (one replica's compression,
+    timed alone) and ``communication_s`` (the rest of the wrapper's time: collectives,
+    waiting for the slowest worker, the inner update).  Empty for records without the
+    wrapper's timings."""
+    step = steady_step_s(record)
+    exchange = record.get("exchange_s_per_step")
+    if step is None or exchange is None:
+        return {}
+    compress = min(record.get("compress_s_per_step") or 0.0, exchange)
+    return {"compute_s": round(max(0.0, step - exchange), 4),
+            "compression_s": round(compress, 4),
+            "communication_s": round(exchange - compress, 4),
+            "auto_modes": record.get("auto_modes")}
 
 
 def model_overrides(flag: str, entries: list[str], cast: type) -> dict[str, float]:
@@ -154,6 +176,7 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
             "epochs_trained": len(r["train_s_per_epoch"]),
             "steps_per_epoch": r["steps_per_epoch"],
             "s_per_step": steady_step_s(r),
+            **step_breakdown(r),
             "accuracy_per_epoch": [round(a, 4) for a in r["history"].get("val_accuracy", [])],
             "train_s_per_epoch": r["train_s_per_epoch"],
         })
@@ -216,11 +239,16 @@ def main(argv: list[str]) -> None:
         budget = group_budget(model)
         for bw in [float(b) for b in f.bandwidths_mbit]:
             key = f"{model} @ {bw:g} Mbit/s"
-            if key in doc["runs"]:
+            kept = doc["runs"].get(key, [])
+            todo = [m for m in methods if m in f.rerun or
+                    not any(r["method"] == m for r in kept)]
+            if not todo:
                 print(f"{key}: kept from {path} (same budget)", flush=True)
                 continue
-            runs, target = [], None
-            for method in methods:
+            runs = [r for r in kept if r["method"] not in todo]
+            target = next((max(r["test_accuracy"] - f.target_drop, 1e-6) for r in runs
+                           if r["method"] == "dense"), None)
+            for method in todo:
                 flags_ = [f"--model={model}", f"--dataset={f.dataset}",
                           f"--steps_per_epoch={budget['steps_per_epoch']}",
                           f"--batch_size={f.batch_size}", f"--train_samples={f.train_samples}",
@@ -248,7 +276,17 @@ def main(argv: list[str]) -> None:
                                   "train_s": rec["train_s_per_epoch"][-1],
                                   "s_per_step": steady_step_s(rec),
                                   "bytes_per_step": rec["payload_bytes_per_step"]}), flush=True)
-            doc["records"] += summarise(runs, f.target_drop)
+            runs.sort(key=lambda r: methods.index(r["method"]) if r["method"] in methods
+                      else len(methods))
+            records = summarise(runs, f.target_drop)
+            for r in records:  # kept runs carry no flags: the group's budget says them
+                if r["lr"] is None:
+                    r["lr"] = budget["lr"]
+                if r["momentum_masking"] is None and r["method"] != "dense":
+                    r["momentum_masking"] = f.momentum_masking
+            doc["records"] = [r for r in doc["records"]
+                              if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" != key]
+            doc["records"] += records
             doc["runs"][key] = [experiments.slim(r) for r in runs]
             doc["group_budgets"][key] = budget
             with open(path, "w") as fh:  # after every group: an interrupted bench keeps them

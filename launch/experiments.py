@@ -33,6 +33,10 @@ METHODS: dict[str, tuple[str, ...]] = {
     "block_default": ("--compression=block",),
     "block_allgather": ("--compression=block", "--density={density}", "--exchange=allgather"),
     "block_shared": ("--compression=block", "--density={density}", "--exchange=shared"),
+    # Per fusion group (256 KiB buffers) dense or block-sparse, from measured link and
+    # compression times (BlockSparseOptimizer(exchange="auto")).
+    "block_auto": ("--compression=block", "--density={density}", "--exchange=auto",
+                   "--fusion_buffer_bytes=262144"),
     "block_k1": _K1,
     # The literal configuration: k=1 on every variable, global momentum after the exchange.
     "block_source": (*_K1, "--global_momentum", "--dense_below=0"),
@@ -49,7 +53,7 @@ DEMO_METHODS = {"dense": "dense", "block default": "block_default",
 CONVERGENCE_METHODS = ("dense", "block_default", "block_source", "block_k1_dgc",
                        "block_k1_waited", "topk_1pct")
 #: The methods ``launch.bench_time_to_accuracy`` may run (dense sets the target).
-TIME_TO_ACCURACY_METHODS = ("dense", "block_allgather", "block_shared", "topk")
+TIME_TO_ACCURACY_METHODS = ("dense", "block_allgather", "block_shared", "topk", "block_auto")
 
 
 def known_methods(names: Sequence[str], allowed: Sequence[str]) -> bool:
@@ -117,7 +121,8 @@ def slim(record: dict) -> dict:
     keep = ("method", "model", "bandwidth_mbit", "dataset", "test_accuracy", "test_correct",
             "test_examples", "steps",
             "steps_per_epoch", "epochs_trained", "payload_bytes_per_step",
-            "dense_bytes_per_step", "train_s_per_epoch", "launcher_wall_s", "num_workers")
+            "dense_bytes_per_step", "train_s_per_epoch", "launcher_wall_s", "num_workers",
+            "exchange_s_per_step", "compress_s_per_step", "auto_modes")
     out = {k: record[k] for k in keep if k in record}
     out["history"] = {key: list(record["history"][key])
                       for key in ("val_accuracy", "payload_bytes") if key in record["history"]}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from absl import flags
 
 from models.registry import DATASET_MODELS
-from tf_blocksparse.options import MASKINGS, METRICS, SPARSE_EXCHANGES
+from tf_blocksparse.options import AUTO_EXCHANGE, MASKINGS, METRICS, SPARSE_EXCHANGES
 
 #: The registry models ``--model`` accepts (those that train on the launch data sets).
 MODELS = list(DATASET_MODELS)
@@ -88,8 +88,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("density", None, "Fraction of blocks (elements for topk) kept per "
                        "variable; exclusive with --k. topk defaults to 0.01.", **fv)
     flags.DEFINE_enum("metric", "l1", list(METRICS), "Block score.", **fv)
-    flags.DEFINE_enum("exchange", "allgather", list(SPARSE_EXCHANGES),
-                      "Sparse exchange mode (ignored for --compression=dense).", **fv)
+    flags.DEFINE_enum("exchange", "allgather", [*SPARSE_EXCHANGES, AUTO_EXCHANGE],
+                      "Sparse exchange mode (ignored for --compression=dense); auto: per "
+                      "fusion group dense or sparse, whichever a cost model of measured "
+                      "link and compression times predicts fastest to accuracy.", **fv)
+    flags.DEFINE_integer("fusion_buffer_bytes", 0, "Exchange the gradients in balanced "
+                         "fusion groups of about this many bytes (one set of collectives per "
+                         "group; --exchange=auto decides per group); 0: one group.",
+                         lower_bound=0, **fv)
     flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1, **fv)
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0 = one pass over "
                          "this worker's shard).", lower_bound=0, **fv)

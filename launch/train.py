@@ -51,7 +51,8 @@ def make_strategy(name: str, num_devices: int):
 
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
                    exchange: str, lr: float, momentum: float, global_momentum: bool = False,
-                   dense_below: int | None = None, momentum_masking: str | None = None):
+                   dense_below: int | None = None, momentum_masking: str | None = None,
+                   fusion_buffer_bytes: int = 0):
     """``BlockSparseOptimizer(SGD(lr, momentum))`` as ``--compression`` asks, with the
     library's defaults for every option left ``None`` / ``False``.
 
@@ -63,9 +64,11 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
     import tf_blocksparse as tfbs
 
     inner = keras.optimizers.SGD(lr, momentum=momentum)
-    if compression == "dense":
-        return tfbs.BlockSparseOptimizer(inner, exchange="dense")
     extra: dict = {}
+    if fusion_buffer_bytes:
+        extra["fusion_buffer_bytes"] = fusion_buffer_bytes
+    if compression == "dense":
+        return tfbs.BlockSparseOptimizer(inner, exchange="dense", **extra)
     if global_momentum:
         extra["momentum_correction"] = None
     if dense_below is not None:
@@ -109,7 +112,7 @@ def run(argv_flags=FLAGS) -> dict:
         model = registry.build_model(f.model, arrays.input_shape, arrays.num_classes, seed=f.seed)
         opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, f.lr,
                              f.momentum, f.global_momentum, f.dense_below,
-                             f.momentum_masking)
+                             f.momentum_masking, f.fusion_buffer_bytes)
         if sequence:
             from models import nmt
             loss, metrics = nmt.masked_sparse_ce, [nmt.token_accuracy]
@@ -129,6 +132,8 @@ def run(argv_flags=FLAGS) -> dict:
         callbacks.append(cb.dump_restored(f.dump_restored, index))
     if f.fail_at_step >= 0 and index == f.fail_worker:
         callbacks.append(cb.fail_at(f.fail_at_step))
+    if f.exchange == "auto" and f.compression != "dense":  # re-decides with step times
+        callbacks.append(tfbs.AutoExchangeCallback())
     if f.density_warmup and f.compression != "dense":
         callbacks.append(tfbs.DensityWarmup([float(d) for d in f.density_warmup]))
     if f.stop_at_accuracy:
@@ -155,6 +160,8 @@ def run(argv_flags=FLAGS) -> dict:
     results = validation.last if validation is not None and validation.last else \
         evaluate_exactly(model, *arrays.test, batch_size=f.eval_batch_size, **eval_kwargs)
     m = opt.block_sparse_metrics()
+    from tf_blocksparse.keras.auto_exchange import compression_seconds
+    decision = opt.exchange_decision
     if f.model_dir:  # every worker takes part (reading residuals is a collective)
         save_model(model, os.path.join(f.model_dir, "model.keras"))
     record = {
@@ -168,6 +175,11 @@ def run(argv_flags=FLAGS) -> dict:
         "dense_bytes_per_step": int(m["dense_bytes"]),
         "compression_ratio": m["dense_bytes"] / m["payload_bytes"] if m["payload_bytes"] else 0,
         "skipped_steps": int(m["skipped_steps"]), "num_workers": num_workers,
+        # where a step's time goes: the wrapper's part (measured in the step), and of it
+        # the compression (one replica's, timed locally after training)
+        "exchange_s_per_step": m["exchange_s_total"] / max(1, int(opt.iterations.numpy())),
+        "compress_s_per_step": compression_seconds(opt),
+        "auto_modes": None if decision is None else list(decision.modes),
         "replicas": strategy.num_replicas_in_sync, "dataset": arrays.name,
         "history": {k: [float(v) for v in vals] for k, vals in hist.history.items()},
         "train_s_per_epoch": clock.train_s,

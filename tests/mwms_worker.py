@@ -28,15 +28,21 @@ def main(out_dir: str, exchange: str, dense_below: int = 0) -> None:
         model = keras.Sequential([
             keras.Input((8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
             keras.layers.Flatten(), keras.layers.Dense(2)])
+        extra = {}
+        if exchange == "auto":  # several groups, re-decided twice during the run
+            exchange = tfbs.AutoExchange(warmup_steps=3, remeasure_steps=10)
+            extra["fusion_buffer_bytes"] = 1024
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), k=1,
-                                        exchange=exchange, dense_below=dense_below)
+                                        exchange=exchange, dense_below=dense_below, **extra)
         model.compile(optimizer=opt, metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    hist = model.fit(ds, epochs=4, verbose=0)
+    auto = tfbs.AutoExchangeCallback()
+    hist = model.fit(ds, epochs=4, verbose=0, callbacks=[auto])
     metrics = opt.block_sparse_metrics()  # a collective: every worker reads it
+    decisions = [[step, list(d.modes)] for step, d in auto.decisions]
     np.savez(os.path.join(out_dir, f"weights_{task}.npz"), *model.get_weights())
     with open(os.path.join(out_dir, f"history_{task}.json"), "w") as f:
-        json.dump({"loss": hist.history["loss"], "metrics": metrics,
+        json.dump({"loss": hist.history["loss"], "metrics": metrics, "decisions": decisions,
                    "replicas": strategy.num_replicas_in_sync}, f)
 
 

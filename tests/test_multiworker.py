@@ -40,3 +40,21 @@ def test_two_process_fit_trains_and_stays_in_sync(tmp_path, exchange, dense_belo
         values = 4 * (9 + 1 + 288 + 1)
     assert h0["metrics"]["payload_bytes"] == values + side
     assert h0["metrics"]["dense_bytes"] == 4 * (72 + 8 + 576 + 2)
+
+
+def test_two_process_auto_exchange_decides_the_same_everywhere(tmp_path):
+    """exchange="auto" under MWMS: the build-time probe and two re-decisions run collectives
+    on both workers, which take the same decisions and stay in sync."""
+    _run_cluster(tmp_path, "auto")
+    w0, w1 = (np.load(tmp_path / f"weights_{i}.npz") for i in range(2))
+    for key in w0.files:
+        assert np.array_equal(w0[key], w1[key]), key
+    h0, h1 = (json.loads((tmp_path / f"history_{i}.json").read_text()) for i in range(2))
+    assert h0["loss"][-1] < h0["loss"][0], h0["loss"]
+    assert [d[0] for d in h0["decisions"]] == [3, 13, 23]
+    assert h0["decisions"] == h1["decisions"]
+    assert all(m in ("dense", "allgather", "shared") for _, ms in h0["decisions"]
+               for m in ms)
+    assert len(h0["decisions"][0][1]) >= 2  # the fusion buffer makes several groups
+    for key in ("auto_sum_latency_ms", "auto_compute_ms", "auto_predicted_step_ms"):
+        assert h0["metrics"][key] == h1["metrics"][key], key

@@ -17,7 +17,9 @@ are packed into one buffer per kind):
     scores; one sum of those blocks' values.  Bytes per replica: ``4 * sum nb_v + itemsize *
     sum k_v * bs_v``, flat in the number of workers.
 ``"dense"``
-    One all-reduce of the gradients, exactly the call Keras makes (bit-identical).
+    One all-reduce of the gradients, exactly the call Keras makes (bit-identical).  Given
+    residuals (a group the automatic exchange switched to dense), it sends ``grad +
+    residual`` and returns zero residuals: error feedback is flushed, nothing is lost.
 
 Variables sent whole (``BlockTopK.whole``, below its ``dense_below``) need neither ids nor
 scores: both sparse modes sum them with one more sum of their packed accumulations
@@ -41,8 +43,9 @@ from tf_blocksparse import codec, selection
 from tf_blocksparse.collectives import ReplicaCollectives
 from tf_blocksparse.feedback import BlockTopK, Prepared, take_blocks
 from tf_blocksparse.options import EXCHANGES, check_choice
+from tf_blocksparse.planning.exchange_cost import GroupCost
 
-__all__ = ["EXCHANGES", "ExchangeResult", "dense_nbytes", "run", "run_exchange",
+__all__ = ["EXCHANGES", "ExchangeResult", "dense_nbytes", "group_cost", "run", "run_exchange",
            "selection_nbytes"]
 
 
@@ -86,6 +89,22 @@ def selection_nbytes(comp: BlockTopK, dtypes: Sequence[Any]) -> int:
     values, no ids)."""
     return sum((0 if whole else 4 * n) + n * lay.block_size * tf.as_dtype(dt).size
                for lay, n, whole, dt in zip(comp.layouts, comp.counts, comp.whole, dtypes))
+
+
+def group_cost(comp: BlockTopK, dtypes: Sequence[Any], compress_s: float = 0.0) -> GroupCost:
+    """The bytes one replica hands to each mode's collectives for ``comp``'s variables
+    (static, the buffers :func:`run` builds), with a measured compression time."""
+    sizes = [tf.as_dtype(dt).size for dt in dtypes]
+    whole = sum(lay.size * it for lay, w, it in zip(comp.layouts, comp.whole, sizes) if w)
+    parts = [(n, lay, it) for lay, n, w, it in zip(comp.layouts, comp.counts, comp.whole, sizes)
+             if not w]
+    return GroupCost(
+        dense_bytes=sum(lay.size * it for lay, it in zip(comp.layouts, sizes)),
+        whole_bytes=whole,
+        id_bytes=4 * (sum(n for n, _, _ in parts) + 1) if parts else 0,
+        value_bytes=sum(n * lay.block_size * it for n, lay, it in parts),
+        score_bytes=4 * sum(lay.num_blocks for _, lay, _ in parts),
+        compress_s=compress_s)
 
 
 def _residual_norm(scores: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], metric: str
@@ -262,14 +281,27 @@ def _shared(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared]) -> list[Ex
     return _results(comm, comp, prepared, [common] * len(prepared), [whole, agreed])
 
 
-def _dense(comm: Any, grads: Sequence[Sequence[tf.Tensor]]) -> list[ExchangeResult]:
-    """Plain sum, in replica context the same call Keras' optimizer makes."""
+def _dense(comm: Any, grads: Sequence[Sequence[tf.Tensor]],
+           state: Sequence[Sequence[tf.Tensor]] | None = None) -> list[ExchangeResult]:
+    """Plain sum, in replica context the same call Keras' optimizer makes.
+
+    With ``state`` the residuals are flushed: each replica sends ``grad + residual`` and
+    keeps zero residuals.
+    """
+    residuals: list[tuple[tf.Tensor, ...] | None] = [None] * len(grads)
+    if state is not None:
+        sent = []
+        for r, (g, s) in enumerate(zip(grads, state)):
+            with comm.local(r):
+                sent.append([a + b for a, b in zip(g, s)])
+                residuals[r] = tuple(tf.zeros_like(b) for b in s)
+        grads = sent
     reduced = comm.sum_each(grads)
     with comm.combine():
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(r)) for r in reduced])
     nbytes = dense_nbytes(grads[0])
-    return [ExchangeResult(tuple(reduced), None, finite, nbytes, nbytes, 0, tf.constant(0.0))
-            for _ in grads]
+    return [ExchangeResult(tuple(reduced), res, finite, nbytes, nbytes, 0, tf.constant(0.0))
+            for res in residuals]
 
 
 def run(comm: Any, mode: str, comp: BlockTopK | None, grads: Sequence[Sequence[tf.Tensor]],
@@ -282,14 +314,14 @@ def run(comm: Any, mode: str, comp: BlockTopK | None, grads: Sequence[Sequence[t
       mode: One of :data:`EXCHANGES`.
       comp: The compressor (unused for ``"dense"``).
       grads: ``grads[r][v]``: local replica ``r``'s gradient of variable ``v`` [*shape_v].
-      state: ``state[r][v]``: its residual [*shape_v] (unused for ``"dense"``).
+      state: ``state[r][v]``: its residual [*shape_v]; ``"dense"`` flushes it when given.
 
     Returns:
       One :class:`ExchangeResult` per local replica (the same ``updates`` and ``finite``).
     """
     check_choice(mode, EXCHANGES, "exchange")
     if mode == "dense":
-        return _dense(comm, grads)
+        return _dense(comm, grads, state)
     prepared = []
     for r, (g, s) in enumerate(zip(grads, state)):
         with comm.local(r):

@@ -20,11 +20,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tf_blocksparse import blocks
+from tf_blocksparse.planning.exchange_cost import AutoExchange
 
 #: Exchanges: every replica its own top-k blocks, blocks agreed from summed scores, or a
 #: plain dense all-reduce (see :mod:`tf_blocksparse.exchange`).
 EXCHANGES = ("allgather", "shared", "dense")
 SPARSE_EXCHANGES = ("allgather", "shared")
+#: ``exchange="auto"``: per fusion group, the mode a cost model of measured link and
+#: compression times predicts fastest to accuracy (an :class:`AutoExchange` policy).
+AUTO_EXCHANGE = "auto"
 #: Block scores: L1 or L2 norm.
 METRICS = ("l1", "l2")
 #: ``"block"`` top-k, or ``"element"``-wise top-k (the DGC / GRACE baseline).
@@ -119,6 +123,18 @@ def validate_block_rules(rules: Any) -> tuple[tuple[str, str | blocks.BlockRule]
     return tuple(out)
 
 
+def _check_exchange(exchange: Any) -> str | AutoExchange:
+    """``exchange`` checked: a mode of :data:`EXCHANGES`, or ``"auto"`` / an
+    :class:`AutoExchange` (or its ``{"auto": config}``) as the policy object."""
+    if isinstance(exchange, AutoExchange):
+        return exchange
+    if exchange == AUTO_EXCHANGE:
+        return AutoExchange()
+    if isinstance(exchange, Mapping) and set(exchange) == {"auto"}:
+        return AutoExchange.from_config(exchange["auto"])
+    return check_choice(exchange, (*EXCHANGES, AUTO_EXCHANGE), "exchange")
+
+
 @dataclasses.dataclass(frozen=True)
 class CompressionOptions:
     """What the block-sparse exchange sends; validated on construction, immutable.
@@ -129,7 +145,10 @@ class CompressionOptions:
       density: Alternatively, a fraction in (0, 1]: ``ceil(density * num_blocks)`` blocks.
       metric: Block score, ``"l1"`` or ``"l2"``.
       exchange: ``"allgather"`` (each replica its own top-k), ``"shared"`` (top-k of the
-        scores summed over replicas) or ``"dense"`` (plain all-reduce, nothing selected).
+        scores summed over replicas), ``"dense"`` (plain all-reduce, nothing selected), or
+        ``"auto"`` / an :class:`AutoExchange` policy: per fusion group, whichever of those
+        is predicted fastest to accuracy from measurements on the running cluster (stored
+        as the policy object; only the Keras optimizer wrapper supports it).
       granularity: ``"block"``, or ``"element"`` for element-wise top-k (use ``density``).
       dense_below: Variables with fewer elements are sent whole every step (a dense sum, no
         residual); ``None`` or 0 compresses every variable.
@@ -143,7 +162,7 @@ class CompressionOptions:
     k: int | None = None
     density: float | None = None
     metric: str = "l1"
-    exchange: str = "allgather"
+    exchange: str | AutoExchange = "allgather"
     granularity: str = "block"
     dense_below: int = DEFAULT_DENSE_BELOW
     block_rules: tuple[tuple[str, Any], ...] = ()
@@ -153,15 +172,20 @@ class CompressionOptions:
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "density", density)
         check_choice(self.metric, METRICS, "metric")
-        check_choice(self.exchange, EXCHANGES, "exchange")
+        object.__setattr__(self, "exchange", _check_exchange(self.exchange))
         check_choice(self.granularity, GRANULARITIES, "granularity")
         object.__setattr__(self, "dense_below", validate_dense_below(self.dense_below))
         object.__setattr__(self, "block_rules", validate_block_rules(self.block_rules))
 
     @property
     def sparse(self) -> bool:
-        """Whether blocks are selected (``exchange`` is not ``"dense"``)."""
+        """Whether blocks may be selected (``exchange`` is not ``"dense"``)."""
         return self.exchange != "dense"
+
+    @property
+    def auto(self) -> bool:
+        """Whether the exchange mode is chosen per fusion group at run time."""
+        return isinstance(self.exchange, AutoExchange)
 
     @property
     def rules(self) -> dict[str, Any]:
@@ -178,8 +202,12 @@ class CompressionOptions:
 
     def get_config(self) -> dict[str, Any]:
         """JSON-friendly constructor arguments (``block_rules`` as a dict)."""
+        exchange = self.exchange
+        if isinstance(exchange, AutoExchange):
+            exchange = AUTO_EXCHANGE if exchange == AutoExchange() else \
+                {"auto": exchange.get_config()}
         return {"k": self.k, "density": self.density,
-                "metric": self.metric, "exchange": self.exchange,
+                "metric": self.metric, "exchange": exchange,
                 "granularity": self.granularity, "dense_below": self.dense_below,
                 "block_rules": self.rules}
 

@@ -139,8 +139,9 @@ def mask_sent(us: Sequence[tf.Tensor], layouts: Sequence[BlockLayout],
     Args:
       us: Per variable the replica's momentum ``u`` [*shape].
       layouts: Their block layouts.
-      sent_ids: Per variable the block ids [k_v] this replica sent (``None``: dense, all
-        sent; the momenta then carry on whole, which is momentum SGD).
+      sent_ids: Per variable the block ids [k_v] this replica sent (``None``, or ``None``
+        for a variable: exchanged densely; the momentum then carries on whole, which is
+        momentum SGD).
       residuals: Optional per-variable residuals [*shape] from *before* this step: only
         sent blocks whose residual block was non-zero (they had waited) are zeroed.
 
@@ -150,9 +151,10 @@ def mask_sent(us: Sequence[tf.Tensor], layouts: Sequence[BlockLayout],
     if sent_ids is None:
         return list(us)
     if residuals is None:
-        return [selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
+        return [u if ids is None else
+                selection.zero_blocks(u, lay, ids, selection.block_flat_indices(ids, lay))
                 for u, lay, ids in zip(us, layouts, sent_ids)]
-    return [selection.zero_blocks_where(
+    return [u if ids is None else selection.zero_blocks_where(
                 u, lay, selection.blocks_hit(ids, lay) &
                 (selection.block_scores(r, lay, "l1") > 0))
             for u, lay, ids, r in zip(us, layouts, sent_ids, residuals)]

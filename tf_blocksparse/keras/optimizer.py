@@ -35,6 +35,7 @@ import tensorflow as tf
 from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.feedback import BlockTopK, compressor_for
+from tf_blocksparse.keras import auto_exchange
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.momentum import MomentumCorrection
@@ -48,12 +49,14 @@ from tf_blocksparse.keras.optimizer_args import (
     split_arguments,
 )
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
+from tf_blocksparse.planning.exchange_cost import ExchangeDecision
 from tf_blocksparse.planning.fusion import FusionPlan
 from tf_blocksparse.unitwise import layout_unit_axes
 
 __all__ = ["NONFINITE", "STAT_NAMES", "BlockSparseOptimizer", "discover_owners"]
 
-STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps")
+STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps",
+              "exchange_s", "exchange_s_total")
 
 
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
@@ -132,6 +135,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self._residuals: list[keras.Variable] = []
         self._clip_states: list[list[keras.Variable]] = []
         self._velocities: list[keras.Variable] = []
+        self._modes: list[str] = []  # per variable, under exchange="auto"
+        self._decision: ExchangeDecision | None = None
 
     # -- state ---------------------------------------------------------------------------
     @_compat.no_automatic_dependency_tracking
@@ -159,6 +164,15 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             trainable=False, synchronization="on_read", aggregation="mean",
             name="blocksparse_stats")
         super().build(var_list)
+        if self.compression.auto:
+            self._decision = None
+            if auto_exchange.can_measure():
+                auto_exchange.measure_and_decide(self)
+            else:
+                groups = auto_exchange.group_members(self)
+                replicas = self._distribution_strategy.num_replicas_in_sync
+                self._set_modes(groups, [auto_exchange.fallback_modes(
+                    self.exchange, replicas)] * len(groups), None)
 
     def _per_replica_variable(self, v: Any, shape: tuple[int, ...], dtype: str, prefix: str
                               ) -> keras.Variable:
@@ -229,6 +243,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]
         idx = [self._get_variable_index(v) for v in tvs]
         ctx = tf.distribute.get_replica_context()
+        timed = ctx.num_replicas_in_sync > 1  # one replica: no exchange (and maybe XLA)
+        start = step.clock(grads) if timed else None
         commits: list[tuple[Any, tf.Tensor]] = []
         if self.clipping:
             clip_vars = [self._clip_states[i] for i in idx]
@@ -246,8 +262,9 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         if self.exchange != "dense":
             residuals = [self._residuals[i] for i in idx]
             state = [tf.convert_to_tensor(r.value) for r in residuals]
+        modes = [self._modes[idx[g[0]]] for g in groups] if self._modes else self.exchange
         result = step.run_grouped_exchange(
-            self.exchange, ctx, lambda group: self._compressor([idx[i] for i in group]),
+            modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
             grads, state, groups, self.metric)
         if state is not None:
             commits += list(zip(residuals, result.residuals))
@@ -258,9 +275,10 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         if commits:
             step.when_finite(self.nonfinite, result.finite,
                              lambda: tf.group([v.value.assign(s) for v, s in commits]))
-        step.record_stats(self._stats, result)
         step.apply_inner(self.inner_optimizer, self.nonfinite, result.updates, tvs,
                          result.finite)
+        seconds = step.clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
+        step.record_stats(self._stats, result, seconds)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
@@ -284,18 +302,62 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         return step.fusion_plan(specs, range(len(specs)), self._backward_ranks,
                                 self.fusion_buffer_bytes)
 
+    # -- automatic exchange --------------------------------------------------------------
+    def measure_exchange(self, compute_s: float = 0.0) -> ExchangeDecision | None:
+        """Measures the cluster and re-decides ``exchange="auto"`` (every worker must call
+        it, eagerly in cross-replica context; re-trace the step afterwards).
+
+        Args:
+          compute_s: Measured seconds per step outside the exchange.
+        """
+        if not self.built or not self.compression.auto:
+            raise ValueError("measure_exchange() needs a built optimizer with exchange='auto'")
+        if not auto_exchange.can_measure():
+            raise ValueError("measure_exchange() must be called eagerly in cross-replica "
+                             "context (it runs collectives on every worker)")
+        return auto_exchange.measure_and_decide(self, compute_s)
+
+    @property
+    def exchange_decision(self) -> ExchangeDecision | None:
+        """The automatic exchange's current choice and its measured inputs (else ``None``)."""
+        return self._decision
+
+    def _group_modes(self, groups: Sequence[Sequence[int]]) -> list[str] | None:
+        return [self._modes[g[0]] for g in groups] if self._modes else None
+
+    def _set_modes(self, groups: Sequence[Sequence[int]], modes: Sequence[str],
+                   decision: ExchangeDecision | None) -> None:
+        per_variable = [""] * len(self._trainable_variables)
+        for group, mode in zip(groups, modes):
+            for i in group:
+                per_variable[i] = mode
+        self._modes, self._decision = per_variable, decision
+
+    def _exchange_totals(self) -> tuple[float, float]:
+        """Summed exchange seconds and steps so far (a collective under multi-worker)."""
+        values = self._stats.numpy()
+        return float(values[STAT_NAMES.index("exchange_s_total")]), float(
+            self.iterations.numpy())
+
     # -- observability -------------------------------------------------------------------
     def block_sparse_metrics(self) -> dict[str, float]:
         """Last step's figures, averaged over replicas (a collective under multi-worker).
 
         Returns:
           ``payload_bytes`` and ``dense_bytes`` handed to collectives per replica,
-          ``blocks_kept``, ``residual_norm`` (in the selection metric), ``skipped_steps``.
+          ``blocks_kept``, ``residual_norm`` (in the selection metric), ``skipped_steps``,
+          ``exchange_s`` (the wrapper's time in the last step: clipping, compression,
+          collectives, inner apply) and its running total ``exchange_s_total``; with
+          ``exchange="auto"`` also the decision's figures (``auto_*``, see
+          :meth:`~tf_blocksparse.planning.exchange_cost.ExchangeDecision.summary`).
         """
         if not self.built:
             return {}
         values = self._stats.numpy()
-        return {n: float(v) for n, v in zip(STAT_NAMES, values)}
+        out = {n: float(v) for n, v in zip(STAT_NAMES, values)}
+        if self._decision is not None:
+            out.update(self._decision.summary())
+        return out
 
     # -- config --------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ and the inner optimizer's apply.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,14 +39,27 @@ def when_finite(nonfinite: str, finite: tf.Tensor, fn: Any) -> None:
         tf.cond(finite, fn, tf.no_op)
 
 
-def record_stats(stats: keras.Variable, result: ExchangeResult) -> None:
-    """Writes the step's figures (``STAT_NAMES`` order) into the per-replica ``stats``."""
+def clock(after: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Seconds of a monotonic clock (float64 scalar) once every tensor of ``after`` is
+    computed.
+
+    A Python call in the graph rather than ``tf.timestamp``, which op determinism forbids;
+    its value never reaches the training math.
+    """
+    with tf.control_dependencies(list(after)):
+        return tf.py_function(time.perf_counter, [], tf.float64)
+
+
+def record_stats(stats: keras.Variable, result: ExchangeResult, seconds: tf.Tensor) -> None:
+    """Writes the step's figures (``STAT_NAMES`` order) into the per-replica ``stats``;
+    ``seconds`` is the wrapper's time in the step."""
     old = tf.convert_to_tensor(stats.value)
     skipped = old[4] + tf.cast(tf.logical_not(result.finite), tf.float32)
+    seconds = tf.cast(seconds, tf.float32)
     stats.value.assign(tf.stack([
         tf.constant(float(result.payload_bytes)), tf.constant(float(result.dense_bytes)),
         tf.constant(float(result.blocks_kept)), tf.cast(result.residual_norm, tf.float32),
-        skipped]))
+        skipped, seconds, old[6] + seconds]))
 
 
 def apply_inner(inner: keras.optimizers.Optimizer, nonfinite: str,
@@ -75,7 +89,7 @@ def apply_inner(inner: keras.optimizers.Optimizer, nonfinite: str,
         cross_replica, args=(list(updates), finite))
 
 
-def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
+def run_grouped_exchange(mode: str | Sequence[str], ctx: tf.distribute.ReplicaContext,
                          make_comp: Callable[[Sequence[int]], BlockTopK | None],
                          grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor] | None,
                          groups: Sequence[Sequence[int]], metric: str = "l1"
@@ -86,11 +100,12 @@ def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
     own members' gradients and can start while earlier layers' backward still runs.
 
     Args:
-      mode: One of :data:`EXCHANGES`.
+      mode: One of :data:`EXCHANGES`, or one per group (the automatic exchange's choice).
       ctx: The replica context.
       make_comp: Builds the compressor for a group from its positions in ``grads``.
       grads: Per variable local gradients [*shape].
-      state: Per variable residuals, or ``None`` for ``"dense"``.
+      state: Per variable residuals, or ``None`` for ``"dense"`` (a dense group with
+        residuals flushes them).
       groups: Positions in ``grads``; every position exactly once.
       metric: ``"l1"`` or ``"l2"`` (to combine the residual norms).
     """
@@ -99,9 +114,13 @@ def run_grouped_exchange(mode: str, ctx: tf.distribute.ReplicaContext,
     residuals: list[tf.Tensor | None] = [None] * n
     sent: list[tf.Tensor | None] = [None] * n
     parts = []
-    for group in groups:
+    modes = [mode] * len(groups) if isinstance(mode, str) else list(mode)
+    if len(modes) != len(groups):
+        raise ValueError(f"got {len(modes)} modes for {len(groups)} groups")
+    for group, group_mode in zip(groups, modes):
         sub_state = None if state is None else [state[i] for i in group]
-        r = run_exchange(mode, ctx, make_comp(group), [grads[i] for i in group], sub_state)
+        r = run_exchange(group_mode, ctx, make_comp(group), [grads[i] for i in group],
+                         sub_state)
         parts.append(r)
         for j, i in enumerate(group):
             updates[i] = r.updates[j]

@@ -11,10 +11,13 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
 - :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement on devices and
   expanded memory.
 - :mod:`~tf_blocksparse.planning.scaling`: alpha-beta cost model of the exchanges.
+- :mod:`~tf_blocksparse.planning.exchange_cost`: the automatic exchange's policy and cost
+  model over measured collective and compression times.
 - Shared inputs: :mod:`~tf_blocksparse.planning.profile` (per-layer model profiles) and
   :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths).
 """
 
+from .exchange_cost import AutoExchange, ExchangeDecision, GroupCost, LinkCost, mode_seconds
 from .fusion import (
     FusionGroup,
     FusionPlan,
@@ -73,6 +76,8 @@ from .scaling import (
 from .topology import Topology, homogeneous, random_heterogeneous, two_level
 
 __all__ = [
+    # automatic exchange
+    "AutoExchange", "ExchangeDecision", "GroupCost", "LinkCost", "mode_seconds",
     "FusionGroup", "FusionPlan", "FusionScheduler", "TensorSpec", "compare_plans",
     "execution_order", "min_imbalance", "plan_backward", "plan_balanced", "plan_ddp",
     "plan_horovod_greedy", "plan_summary", "plan_tf_group_by_size", "simulate",

@@ -1,0 +1,136 @@
+"""Measurements of the running cluster for the automatic exchange, agreed by every worker.
+
+Run eagerly in cross-replica context (every worker of a ``MultiWorkerMirroredStrategy``
+calls them together: they run collectives):
+
+- :func:`time_collectives`: seconds of one all-reduce and one all-gather of the strategy's
+  real collectives, per probe size;
+- :func:`time_compression`: seconds of one replica's compression work per fusion group,
+  timed locally;
+- :func:`agree_mean` / :func:`from_first_replica`: the mean of every worker's measurements,
+  and replica 0's decision, so every worker decides the same.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tf_blocksparse import codec
+from tf_blocksparse.feedback import BlockTopK
+
+__all__ = ["agree_mean", "from_first_replica", "time_collectives", "time_compression"]
+
+_SUM = tf.distribute.ReduceOp.SUM
+
+
+def _median_call_s(fn: Callable[[], Any], calls: int = 3) -> float:
+    """Median wall seconds of ``fn()`` after one untimed call (tracing, first run)."""
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _chain(strategy: tf.distribute.Strategy, elements: int, repeats: int, kind: str
+           ) -> Callable[[], Any]:
+    """A function running ``repeats`` dependent collectives of ``elements`` float32s."""
+
+    def replica_fn() -> tf.Tensor:
+        ctx = tf.distribute.get_replica_context()
+        x = tf.ones((elements,), tf.float32)
+        for _ in range(repeats):
+            y = ctx.all_reduce(_SUM, x) if kind == "sum" else \
+                ctx.all_gather(x, axis=0)[:elements]
+            x = 0.5 * y
+        return tf.reduce_sum(x)
+
+    @tf.function(autograph=False)
+    def probe() -> Any:
+        return strategy.run(replica_fn)
+
+    return lambda: [t.numpy() for t in strategy.experimental_local_results(probe())]
+
+
+def time_collectives(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int
+                     ) -> tuple[list[float], list[float]]:
+    """Seconds of one all-reduce and of one all-gather per size (bytes per replica).
+
+    Each probe runs ``repeats`` collectives back to back in one function, so the per-call
+    dispatch cost is shared; the median of three calls is taken.  Not agreed across workers
+    (see :func:`agree_mean`).
+
+    Returns:
+      ``(sum_s, gather_s)``, one entry per size.
+    """
+    sums, gathers = [], []
+    for nbytes in sizes:
+        n = max(1, int(nbytes) // 4)
+        sums.append(_median_call_s(_chain(strategy, n, repeats, "sum")) / repeats)
+        gathers.append(_median_call_s(_chain(strategy, n, repeats, "gather")) / repeats)
+    return sums, gathers
+
+
+def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequence[Any]],
+                     repeats: int = 5) -> list[float]:
+    """Seconds of one replica's compression of each group on the current device.
+
+    Accumulate, score, select, residual update and packing of what is sent, as the
+    exchange does them, on random gradients of the group's shapes (``None``: 0 s).
+    """
+    rng = np.random.default_rng(0)
+    out = []
+    for comp, types in zip(comps, dtypes):
+        if comp is None or all(comp.whole):
+            out.append(0.0)
+            continue
+        grads = [tf.constant(rng.standard_normal(lay.shape), tf.as_dtype(dt))
+                 for lay, dt in zip(comp.layouts, types)]
+        state = [tf.Variable(tf.zeros_like(g)) for g in grads]
+
+        @tf.function(autograph=False)
+        def compress(comp: BlockTopK = comp, grads: list = grads, state: list = state
+                     ) -> tf.Tensor:
+            payload, new = comp.compress(grads, [s.read_value() for s in state])
+            for s, r in zip(state, new):
+                s.assign(r)
+            return tf.size(codec.pack([tf.cast(v, tf.float32) for v in payload.values]))
+
+        out.append(_median_call_s(lambda fn=compress: fn().numpy(), repeats))
+    return out
+
+
+def agree_mean(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
+    """The mean over all replicas of ``values`` (identical on every worker)."""
+    if not values:
+        return []
+    mine = tf.constant(list(values), tf.float64)
+
+    @tf.function(autograph=False)
+    def spread() -> Any:
+        return strategy.run(tf.identity, args=(mine,))
+
+    per_replica = spread()
+    return [float(v) for v in strategy.reduce("MEAN", per_replica, axis=None).numpy()]
+
+
+def from_first_replica(strategy: tf.distribute.Strategy, values: Sequence[int]) -> list[int]:
+    """Replica 0's ``values`` on every worker (a sum where the others contribute zeros)."""
+    if not values:
+        return []
+    mine = tf.constant(list(values), tf.int64)
+
+    def replica_fn() -> tf.Tensor:
+        ctx = tf.distribute.get_replica_context()
+        first = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), tf.int64)
+        return ctx.all_reduce(_SUM, mine * first)
+
+    out = tf.function(lambda: strategy.run(replica_fn), autograph=False)()
+    return [int(v) for v in strategy.experimental_local_results(out)[0].numpy()]

@@ -1,0 +1,313 @@
+"""Automatic exchange: per fusion group, dense all-reduce or a block-sparse exchange.
+
+Pure Python (no TensorFlow).  The inputs are measured on the running cluster elsewhere
+(:mod:`tf_blocksparse.distribute.link_probe`: the collectives are timed, the compression is
+timed per group) and passed in; this module only predicts and decides.
+
+Cost model per fusion group ``g`` (seconds per step)::
+
+    dense      sum(D_g)
+    allgather  c_g + sum(W_g) + 2 gather_latency + gather(I_g + V_g)
+    shared     c_g + sum(W_g) + sum(S_g) + sum(V_g)
+
+with ``sum(n) = a_s + b_s n`` and ``gather(n) = a_g + b_g n`` fitted to the measured
+collectives (:class:`LinkCost`), ``D_g`` the group's dense bytes, ``W_g`` the bytes of its
+variables sent whole, ``I_g``/``V_g``/``S_g`` one replica's block ids, block values and block
+scores, and ``c_g`` the measured compression time (accumulate, score, select, residual).
+
+Error feedback delays what is not sent, so a sparse exchange needs more steps to reach the
+same accuracy.  The decision therefore minimises the *time to accuracy*, not the step time::
+
+    (compute + sum_g cost_g) * (1 + convergence_cost * f)
+
+where ``f`` is the fraction of the gradient bytes exchanged sparsely and ``convergence_cost``
+the extra steps a fully sparse run needs (our 4-worker time-to-accuracy runs at density 0.05
+needed 1.4x (ResNet-20) to 1.7x (vgg_fc) the dense steps; default 0.5).  The minimisation
+ranks groups by step seconds saved per byte delayed and takes the best prefix of that order,
+so the result is never predicted worse than all-dense or all-sparse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["CANDIDATES", "AutoExchange", "ExchangeDecision", "GroupCost", "LinkCost",
+           "mode_seconds"]
+
+#: The modes an automatic exchange may choose from.
+CANDIDATES = ("dense", "allgather", "shared")
+_SPARSE = ("allgather", "shared")
+
+
+def _number(name: str, value: Any, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0 or (positive and value <= 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"`{name}` must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    """Measured collective times as ``latency + bytes * seconds_per_byte``.
+
+    Attributes:
+      sum_latency_s: Fixed cost of one all-reduce (seconds).
+      sum_s_per_byte: Its cost per byte of the reduced buffer.
+      gather_latency_s: Fixed cost of one all-gather.
+      gather_s_per_byte: Its cost per byte that *one* replica contributes.
+    """
+
+    sum_latency_s: float
+    sum_s_per_byte: float
+    gather_latency_s: float
+    gather_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _number(f.name, getattr(self, f.name))
+
+    @classmethod
+    def fit(cls, sizes: Sequence[int], sum_s: Sequence[float], gather_s: Sequence[float]
+            ) -> LinkCost:
+        """Least-squares lines through the probes (``sizes[i]`` bytes took ``sum_s[i]`` /
+        ``gather_s[i]`` seconds); negative intercepts and slopes are clamped to 0.
+
+        Raises:
+          ValueError: Fewer than two distinct sizes, or mismatched lengths.
+        """
+        if len(sizes) != len(sum_s) or len(sizes) != len(gather_s) or len(set(sizes)) < 2:
+            raise ValueError("`sizes` needs at least two distinct sizes, one time per size "
+                             f"and kind; got sizes={list(sizes)!r}")
+        return cls(*_line(sizes, sum_s), *_line(sizes, gather_s))
+
+    def sum_seconds(self, nbytes: float) -> float:
+        """One all-reduce of ``nbytes`` (0 for an empty buffer: no collective runs)."""
+        return self.sum_latency_s + self.sum_s_per_byte * nbytes if nbytes > 0 else 0.0
+
+    def gather_seconds(self, nbytes: float) -> float:
+        """One all-gather of ``nbytes`` per replica (0 for an empty buffer)."""
+        return self.gather_latency_s + self.gather_s_per_byte * nbytes if nbytes > 0 else 0.0
+
+    @property
+    def sum_mbit_s(self) -> float:
+        """Effective all-reduce rate in Mbit/s of reduced buffer (inf when free)."""
+        return math.inf if self.sum_s_per_byte == 0 else 8e-6 / self.sum_s_per_byte
+
+
+def _line(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the least-squares line, both clamped to >= 0."""
+    n = len(xs)
+    mx, my = math.fsum(xs) / n, math.fsum(ys) / n
+    var = math.fsum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var)
+    return max(0.0, my - slope * mx), slope
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCost:
+    """One fusion group's sizes (bytes one replica hands over) and compression time.
+
+    Attributes:
+      dense_bytes: All its gradients, the dense all-reduce's buffer.
+      whole_bytes: Its variables sent whole by the sparse modes (summed densely).
+      id_bytes: Allgather's id buffer (4 per kept block, plus the 4-byte flag).
+      value_bytes: The kept blocks' values.
+      score_bytes: Shared mode's score buffer (4 per block).
+      compress_s: Measured accumulate + score + select + residual time.
+    """
+
+    dense_bytes: int
+    whole_bytes: int = 0
+    id_bytes: int = 0
+    value_bytes: int = 0
+    score_bytes: int = 0
+    compress_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _number(f.name, getattr(self, f.name))
+
+    @property
+    def delayed_bytes(self) -> int:
+        """Bytes under error feedback when this group is sparse (all but the whole)."""
+        return self.dense_bytes - self.whole_bytes
+
+
+def mode_seconds(link: LinkCost, group: GroupCost, mode: str) -> float:
+    """Predicted seconds per step of ``group``'s exchange in ``mode`` (module docstring)."""
+    if mode == "dense":
+        return link.sum_seconds(group.dense_bytes)
+    sparse = group.value_bytes > 0
+    base = group.compress_s + link.sum_seconds(group.whole_bytes)
+    if mode == "allgather":
+        return base + (link.gather_seconds(group.id_bytes)
+                       + link.gather_seconds(group.value_bytes) if sparse else 0.0)
+    if mode == "shared":
+        return base + (link.sum_seconds(group.score_bytes)
+                       + link.sum_seconds(group.value_bytes) if sparse else 0.0)
+    raise ValueError(f"`mode` must be one of {CANDIDATES}, got {mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeDecision:
+    """What :meth:`AutoExchange.decide` chose and from what.
+
+    Attributes:
+      modes: Per fusion group, ``"dense"``, ``"allgather"`` or ``"shared"``.
+      link: The measured collective costs.
+      groups: The groups' sizes and compression times.
+      compute_s: Measured time per step outside the exchange (0 when not yet known).
+      step_s: Predicted step time with ``modes`` (compute + exchanges).
+      dense_step_s: Predicted step time with every group dense.
+      objective_s: Predicted time-to-accuracy proxy of ``modes`` (module docstring).
+      dense_objective_s: The same for all dense.
+    """
+
+    modes: tuple[str, ...]
+    link: LinkCost
+    groups: tuple[GroupCost, ...]
+    compute_s: float
+    step_s: float
+    dense_step_s: float
+    objective_s: float
+    dense_objective_s: float
+
+    @property
+    def compress_s(self) -> float:
+        """Measured compression seconds per step of the sparse groups."""
+        return math.fsum(g.compress_s for g, m in zip(self.groups, self.modes) if m != "dense")
+
+    def summary(self) -> dict[str, float]:
+        """Flat figures for logs and TensorBoard."""
+        return {
+            "auto_sparse_groups": float(sum(m != "dense" for m in self.modes)),
+            "auto_dense_groups": float(sum(m == "dense" for m in self.modes)),
+            "auto_sum_latency_ms": 1e3 * self.link.sum_latency_s,
+            "auto_sum_mbit_s": min(self.link.sum_mbit_s, 1e9),
+            "auto_gather_latency_ms": 1e3 * self.link.gather_latency_s,
+            "auto_compute_ms": 1e3 * self.compute_s,
+            "auto_compress_ms": 1e3 * self.compress_s,
+            "auto_predicted_step_ms": 1e3 * self.step_s,
+            "auto_predicted_dense_step_ms": 1e3 * self.dense_step_s,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoExchange:
+    """The policy of ``exchange="auto"``: measure, predict, choose per fusion group.
+
+    Args:
+      candidates: Modes to choose from (a subset of :data:`CANDIDATES`).
+      convergence_cost: Extra steps, as a fraction, that a fully sparse exchange needs to
+        reach dense's accuracy (>= 0; 0 decides on step time alone).
+      probe_bytes: Buffer sizes (bytes, two or more distinct) the collectives are timed
+        with.
+      probe_repeats: Collectives per timed probe (>= 1).
+      warmup_steps: Steps after which the first decision with a measured compute time is
+        taken (by ``AutoExchangeCallback``).
+      remeasure_steps: Steps between later re-measurements (0: never).
+      hysteresis: A new decision replaces the current one only if predicted at least this
+        fraction faster (in [0, 1)), so noise does not flip it back and forth.
+
+    Raises:
+      ValueError: A bad value, naming the argument.
+    """
+
+    candidates: tuple[str, ...] = CANDIDATES
+    convergence_cost: float = 0.5
+    probe_bytes: tuple[int, ...] = (16 * 1024, 256 * 1024)
+    probe_repeats: int = 3
+    warmup_steps: int = 20
+    remeasure_steps: int = 500
+    hysteresis: float = 0.05
+
+    def __post_init__(self) -> None:
+        cands = self.candidates
+        if isinstance(cands, str) or not isinstance(cands, Sequence) or not cands or \
+                any(c not in CANDIDATES for c in cands) or len(set(cands)) != len(cands):
+            raise ValueError(f"`candidates` must be distinct modes of {CANDIDATES}, "
+                             f"got {cands!r}")
+        object.__setattr__(self, "candidates", tuple(cands))
+        _number("convergence_cost", self.convergence_cost)
+        sizes = self.probe_bytes
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or \
+                len(set(sizes)) < 2 or any(isinstance(s, bool) or not isinstance(s, int)
+                                           or s < 4 for s in sizes):
+            raise ValueError(f"`probe_bytes` must hold two or more distinct ints >= 4, "
+                             f"got {sizes!r}")
+        object.__setattr__(self, "probe_bytes", tuple(sorted(sizes)))
+        _count("probe_repeats", self.probe_repeats, 1)
+        _count("warmup_steps", self.warmup_steps, 1)
+        _count("remeasure_steps", self.remeasure_steps, 0)
+        if _number("hysteresis", self.hysteresis) >= 1:
+            raise ValueError(f"`hysteresis` must be in [0, 1), got {self.hysteresis!r}")
+
+    def decide(self, link: LinkCost, groups: Sequence[GroupCost], compute_s: float = 0.0,
+               current: Sequence[str] | None = None) -> ExchangeDecision:
+        """The modes that minimise the predicted time to accuracy.
+
+        Args:
+          link: Measured collective costs.
+          groups: Per fusion group, sizes and compression time.
+          compute_s: Measured seconds per step outside the exchange.
+          current: The modes in use; kept unless the new choice is predicted faster by
+            more than ``hysteresis``.
+        """
+        groups = tuple(groups)
+        compute_s = _number("compute_s", compute_s)
+        total = max(1, sum(g.dense_bytes for g in groups))
+        sparse = [m for m in self.candidates if m in _SPARSE]
+
+        def evaluate(modes: Sequence[str]) -> tuple[float, float]:
+            step = compute_s + math.fsum(mode_seconds(link, g, m) for g, m in zip(groups, modes))
+            delayed = sum(g.delayed_bytes for g, m in zip(groups, modes) if m != "dense")
+            return step, step * (1 + self.convergence_cost * delayed / total)
+
+        dense_modes = ["dense"] * len(groups)
+        if not sparse:
+            best = dense_modes
+        else:
+            own = [min(sparse, key=lambda m, g=g: mode_seconds(link, g, m)) for g in groups]
+            if "dense" not in self.candidates:
+                best = own
+            else:
+                saved = [mode_seconds(link, g, "dense") - mode_seconds(link, g, m)
+                         for g, m in zip(groups, own)]
+                order = sorted((i for i in range(len(groups)) if saved[i] > 0),
+                               key=lambda i: -saved[i] / max(1, groups[i].delayed_bytes))
+                best, modes = list(dense_modes), list(dense_modes)
+                for i in order:
+                    modes[i] = own[i]
+                    if evaluate(modes)[1] < evaluate(best)[1]:
+                        best = list(modes)
+        if current is not None and len(current) == len(groups) and \
+                all(m in CANDIDATES for m in current) and \
+                evaluate(best)[1] > (1 - self.hysteresis) * evaluate(current)[1]:
+            best = list(current)
+        step, objective = evaluate(best)
+        dense_step, dense_objective = evaluate(dense_modes)
+        return ExchangeDecision(tuple(best), link, groups, compute_s, step, dense_step,
+                                objective, dense_objective)
+
+    def get_config(self) -> dict[str, Any]:
+        """JSON-friendly constructor arguments."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> AutoExchange:
+        """Inverse of :meth:`get_config`; unknown keys are named in the error."""
+        unknown = set(config) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"AutoExchange does not take {sorted(unknown)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()})
