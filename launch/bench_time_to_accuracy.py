@@ -51,8 +51,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_workers", 4, "Worker processes.", lower_bound=1)
     flags.DEFINE_float("density", 0.05, "Fraction kept by block and element top-k.")
     flags.register_validator("density", lambda d: 0.0 < d <= 1.0, "--density must be in (0, 1]")
-    flags.register_validator("rerun", lambda m: not m or experiments.known_methods(
-        m, TTA_METHODS), f"--rerun must list methods of {list(TTA_METHODS)}")
     flags.register_validator("methods", lambda m: experiments.known_methods(m, TTA_METHODS),
                              f"--methods must be a non-empty list of {list(TTA_METHODS)}")
     flags.register_validator("models", lambda m: experiments.known_methods(
@@ -95,6 +93,8 @@ def define_flags() -> None:
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
     flags.DEFINE_float("run_timeout_s", 1800, "Kill a run after this long.")
+    flags.register_validator("rerun", lambda m: not m or experiments.known_methods(
+        m, TTA_METHODS), f"--rerun must list methods of {list(TTA_METHODS)}")
 
 
 def _positive_numbers(values: list[str]) -> bool:

@@ -55,6 +55,22 @@ def time_to_accuracy_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def step_breakdown_table(doc: dict) -> str:
+    """Where a step's time goes, per model x bandwidth x method (``time_to_accuracy.json``
+    records that carry the optimizer wrapper's timings)."""
+    lines = ["| model | link | method | s/step | compute s | compression s | "
+             "communication s | modes per fusion group |", "|---|---|---|---|---|---|---|---|"]
+    for r in doc["records"]:
+        if "compute_s" not in r:
+            continue
+        modes = ", ".join(r.get("auto_modes") or []) or "-"
+        lines.append(
+            f"| {r['model']} | {r['bandwidth_mbit']:g} Mbit/s | {r['method']} | "
+            f"{r['s_per_step']:.3f} | {r['compute_s']:.3f} | {r['compression_s']:.3f} | "
+            f"{r['communication_s']:.3f} | {modes} |")
+    return "\n".join(lines)
+
+
 def convergence_table(doc: dict) -> str:
     """One row per model x method (``convergence.json``): mean +- std over seeds."""
     lines = ["| model | method | seeds | epochs | test acc per seed | mean | std | "
@@ -118,10 +134,17 @@ def hybrid_cluster_table(doc: dict) -> str:
 
 
 #: Results file -> its table.
+#: ``FILE`` or ``FILE#VIEW`` (a second table from the same file) -> table builder.
 TABLES = {"time_to_accuracy.json": time_to_accuracy_table,
+          "time_to_accuracy.json#breakdown": step_breakdown_table,
           "convergence.json": convergence_table, "demo.json": demo_table,
           "pipeline_cluster.json": pipeline_cluster_table,
           "hybrid_cluster.json": hybrid_cluster_table}
+
+
+def source_file(name: str) -> str:
+    """The results file a :data:`TABLES` key reads (``FILE#VIEW`` -> ``FILE``)."""
+    return name.split("#", 1)[0]
 
 
 def update_readme(text: str, results: str) -> str:
@@ -132,7 +155,7 @@ def update_readme(text: str, results: str) -> str:
         name, _, rest = part.partition(" -->")
         if name not in TABLES or "<!-- /table -->" not in rest:
             raise ValueError(f"README: unknown or unclosed table marker {name!r}")
-        with open(os.path.join(results, name)) as fh:
+        with open(os.path.join(results, source_file(name))) as fh:
             table = TABLES[name](json.load(fh))
         tail = rest.split("<!-- /table -->", 1)[1]
         out.append(f"{name} -->\n{table}\n<!-- /table -->{tail}")
@@ -143,7 +166,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     for name, table in TABLES.items():
-        path = os.path.join(FLAGS.results, name)
+        path = os.path.join(FLAGS.results, source_file(name))
         if not os.path.exists(path):
             print(f"{path}: missing (run `make bench-full`)\n", file=sys.stderr)
             continue

@@ -160,7 +160,6 @@ def run(argv_flags=FLAGS) -> dict:
     results = validation.last if validation is not None and validation.last else \
         evaluate_exactly(model, *arrays.test, batch_size=f.eval_batch_size, **eval_kwargs)
     m = opt.block_sparse_metrics()
-    from tf_blocksparse.keras.auto_exchange import compression_seconds
     decision = opt.exchange_decision
     if f.model_dir:  # every worker takes part (reading residuals is a collective)
         save_model(model, os.path.join(f.model_dir, "model.keras"))
@@ -178,7 +177,7 @@ def run(argv_flags=FLAGS) -> dict:
         # where a step's time goes: the wrapper's part (measured in the step), and of it
         # the compression (one replica's, timed locally after training)
         "exchange_s_per_step": m["exchange_s_total"] / max(1, int(opt.iterations.numpy())),
-        "compress_s_per_step": compression_seconds(opt),
+        "compress_s_per_step": opt.compression_seconds(),
         "auto_modes": None if decision is None else list(decision.modes),
         "replicas": strategy.num_replicas_in_sync, "dataset": arrays.name,
         "history": {k: [float(v) for v in vals] for k, vals in hist.history.items()},

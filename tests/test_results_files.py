@@ -100,7 +100,7 @@ def test_readme_tables_equal_the_committed_results():
     blocks = _readme_tables()
     assert set(blocks) == set(results_tables.TABLES), sorted(blocks)
     for name, found in blocks.items():
-        expected = results_tables.TABLES[name](_load(name)).strip()
+        expected = results_tables.TABLES[name](_load(results_tables.source_file(name))).strip()
         for block in found:
             assert block == expected, f"docs/results.md table of {name} differs from " \
                 f"`python launch/results_tables.py`:\n{block}\n--- expected ---\n{expected}"

@@ -86,7 +86,7 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
     def __init__(self, compression: CompressionOptions | None = None, *, model: Any = None,
                  **options: Any):
         self.options = options_from(compression, options, "BlockSparseCrossDeviceOps")
-        if not self.options.sparse:
+        if not self.options.sparse or self.options.auto:
             raise ValueError(f"`exchange` must be one of {SPARSE_EXCHANGES} for "
                              f"BlockSparseCrossDeviceOps, got {self.options.exchange!r}")
         super().__init__()

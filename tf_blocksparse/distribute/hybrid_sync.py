@@ -199,6 +199,10 @@ class GroupSync:
         self.name = name
         self.compression = compression
         options = _spec_options(compression)
+        if options is not None and options.auto:
+            raise ValueError(f"`compression` of group {name!r}: exchange='auto' is only "
+                             "supported by BlockSparseOptimizer; choose 'allgather', "
+                             "'shared' or 'dense'")
         self.options = options if options is not None and options.sparse else None
         refs = self.replicas[0].trainable_refs
         self.layouts = blocks.layouts_for(refs, model,

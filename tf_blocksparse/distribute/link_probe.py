@@ -39,9 +39,21 @@ def _median_call_s(fn: Callable[[], Any], calls: int = 3) -> float:
     return float(np.median(times))
 
 
+_PROBES: dict[tuple[int, int, int, str], Callable[[], Any]] = {}
+
+
 def _chain(strategy: tf.distribute.Strategy, elements: int, repeats: int, kind: str
            ) -> Callable[[], Any]:
-    """A function running ``repeats`` dependent collectives of ``elements`` float32s."""
+    """A function running ``repeats`` dependent collectives of ``elements`` float32s (traced
+    once per strategy and shape, so a re-measurement does not trace again)."""
+    key = (id(strategy), elements, repeats, kind)
+    if key not in _PROBES:
+        _PROBES[key] = _make_chain(strategy, elements, repeats, kind)
+    return _PROBES[key]
+
+
+def _make_chain(strategy: tf.distribute.Strategy, elements: int, repeats: int, kind: str
+                ) -> Callable[[], Any]:
 
     def replica_fn() -> tf.Tensor:
         ctx = tf.distribute.get_replica_context()

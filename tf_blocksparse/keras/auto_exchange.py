@@ -17,7 +17,7 @@ from what is measured on the running cluster:
 
 Without a strategy (one replica) every group is dense and nothing is measured.  Built
 inside a ``tf.function`` (a custom loop), nothing can be measured either: every group uses
-the first sparse candidate until :meth:`BlockSparseOptimizer.measure_exchange` is called in
+the first sparse candidate until ``BlockSparseOptimizer.measure_exchange`` is called in
 cross-replica context (then re-trace the step).
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -33,25 +34,19 @@ import tensorflow as tf
 
 from tf_blocksparse.distribute import link_probe
 from tf_blocksparse.exchange import group_cost
+from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.planning.exchange_cost import (
     CANDIDATES,
     AutoExchange,
     ExchangeDecision,
+    GroupCost,
     LinkCost,
 )
 
-__all__ = ["AutoExchangeCallback", "can_measure", "compression_seconds", "fallback_modes",
-           "measure_and_decide"]
+__all__ = ["AutoExchangeCallback", "ExchangeChooser", "can_measure", "compression_seconds",
+           "fallback_mode"]
 
 _LOG = logging.getLogger(__name__)
-
-
-def group_members(opt: Any) -> list[list[int]]:
-    """Variable indices of every fusion group (one group without a fusion buffer)."""
-    plan = opt.fusion_plan
-    if plan is None:
-        return [list(range(len(opt._trainable_variables)))]
-    return [list(g.members) for g in plan.groups]
 
 
 def can_measure() -> bool:
@@ -60,71 +55,120 @@ def can_measure() -> bool:
                                        or tf.distribute.in_cross_replica_context())
 
 
-def fallback_modes(policy: AutoExchange, replicas: int) -> str:
+def fallback_mode(policy: AutoExchange, replicas: int) -> str:
     """The mode of every group before anything is measured."""
     if replicas <= 1:
         return "dense"
     return next((m for m in policy.candidates if m != "dense"), "dense")
 
 
-def compression_seconds(opt: Any) -> float:
-    """Seconds of one replica's compression per step with the exchange in use: the groups
-    exchanged sparsely, timed locally (no collective; 0 for a dense exchange)."""
-    groups = group_members(opt)
-    modes = opt._group_modes(groups) or [opt.exchange] * len(groups)
-    tvs = opt._trainable_variables
-    sparse = [g for g, m in zip(groups, modes) if m != "dense"]
-    return sum(link_probe.time_compression(
-        [opt._compressor(g) for g in sparse], [[tvs[i].dtype for i in g] for g in sparse]))
+def compression_seconds(comps: Sequence[BlockTopK], dtypes: Sequence[Sequence[Any]]) -> float:
+    """Summed seconds of one replica's compression of the groups ``comps`` (timed locally)."""
+    return float(sum(link_probe.time_compression(comps, dtypes)))
 
 
-def measure_and_decide(opt: Any, compute_s: float = 0.0) -> ExchangeDecision | None:
-    """Measures link and compression, decides, and sets the optimizer's per-variable modes.
+class ExchangeChooser:
+    """The automatic exchange's measurements and choice for one optimizer's fusion groups.
 
-    Must run on every worker at the same point (it runs collectives).  Returns the
-    decision (``None`` with a single replica: every group dense, nothing measured).
+    Args:
+      policy: The :class:`AutoExchange` policy.
+      strategy: The optimizer's strategy (its collectives are timed).
+      groups: Variable indices of every fusion group.
+      compressors: Per group, the compressor of its variables.
+      dtypes: Per group, its variables' dtypes.
+
+    Attributes:
+      modes: Per group, the mode in use.
+      decision: The last :class:`ExchangeDecision` (``None`` before any measurement).
     """
-    policy: AutoExchange = opt.exchange
-    strategy = opt._distribution_strategy  # the optimizer's own (also outside its scope)
-    groups = group_members(opt)
-    tvs = opt._trainable_variables
-    replicas = strategy.num_replicas_in_sync
-    if replicas <= 1:
-        opt._set_modes(groups, ["dense"] * len(groups), None)
-        return None
-    comps = [opt._compressor(g) for g in groups]
-    dtypes = [[tvs[i].dtype for i in g] for g in groups]
-    sizes = list(policy.probe_bytes)
-    with strategy.scope():
-        sum_s, gather_s = link_probe.time_collectives(strategy, sizes, policy.probe_repeats)
-        compress_s = link_probe.time_compression(comps, dtypes, policy.probe_repeats)
-        agreed = link_probe.agree_mean(strategy, [*sum_s, *gather_s, *compress_s,
-                                                  compute_s])
-    n = len(sizes)
-    link = LinkCost.fit(sizes, agreed[:n], agreed[n:2 * n])
-    costs = [group_cost(c, d, t) for c, d, t in zip(comps, dtypes, agreed[2 * n:-1])]
-    current = opt._group_modes(groups)
-    decision = policy.decide(link, costs, agreed[-1], current)
-    with strategy.scope():
-        codes = link_probe.from_first_replica(strategy, [CANDIDATES.index(m)
-                                                         for m in decision.modes])
-    modes = [CANDIDATES[c] for c in codes]
-    if modes != list(decision.modes):  # a near tie decided differently: replica 0 wins
-        decision = policy.decide(link, costs, agreed[-1], modes)
-    opt._set_modes(groups, modes, decision)
-    _LOG.info("auto exchange: %s (predicted step %.1f ms, all dense %.1f ms)",
-              ",".join(modes), 1e3 * decision.step_s, 1e3 * decision.dense_step_s)
-    return decision
+
+    def __init__(self, policy: AutoExchange, strategy: tf.distribute.Strategy,
+                 groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
+                 dtypes: Sequence[Sequence[Any]]):
+        self.policy = policy
+        self.strategy = strategy
+        self.groups = [list(g) for g in groups]
+        self.compressors = list(compressors)
+        self.dtypes = [list(d) for d in dtypes]
+        self._group_of = {i: gi for gi, g in enumerate(self.groups) for i in g}
+        self.modes = [fallback_mode(policy, strategy.num_replicas_in_sync)] * len(self.groups)
+        self.decision: ExchangeDecision | None = None
+
+    def mode_of(self, variable: int) -> str:
+        """The mode of the group holding variable index ``variable``."""
+        return self.modes[self._group_of[variable]]
+
+    def set_modes(self, modes: Sequence[str], decision: ExchangeDecision | None = None
+                  ) -> None:
+        """Uses ``modes`` (one per group; takes effect when the step is traced next)."""
+        if len(modes) != len(self.groups) or any(m not in CANDIDATES for m in modes):
+            raise ValueError(f"`modes` must hold one of {CANDIDATES} per group "
+                             f"({len(self.groups)}), got {list(modes)!r}")
+        self.modes, self.decision = list(modes), decision
+
+    def decide(self, compute_s: float = 0.0, remeasure: bool = True,
+               hysteresis: bool = True) -> ExchangeDecision | None:
+        """Measures, decides and sets :attr:`modes`; every worker must call it together
+        (collectives), eagerly in cross-replica context.
+
+        Args:
+          compute_s: This worker's measured seconds per step outside the exchange
+            (averaged over the workers here).
+          remeasure: Time the collectives and the compression again; otherwise reuse the
+            last decision's measurements (only ``compute_s`` is new).
+          hysteresis: Keep the current modes unless the new ones are predicted faster by
+            the policy's ``hysteresis``.
+
+        Returns:
+          The decision (``None`` with a single replica: every group dense, not measured).
+        """
+        strategy, policy = self.strategy, self.policy
+        if strategy.num_replicas_in_sync <= 1:
+            self.set_modes(["dense"] * len(self.groups))
+            return None
+        with strategy.scope():
+            if remeasure or self.decision is None:
+                link, costs, compute = self._measure(compute_s)
+            else:
+                link, costs = self.decision.link, list(self.decision.groups)
+                compute = link_probe.agree_mean(strategy, [compute_s])[0]
+            decision = policy.decide(link, costs, compute,
+                                     self.modes if hysteresis else None)
+            codes = link_probe.from_first_replica(strategy, [CANDIDATES.index(m)
+                                                             for m in decision.modes])
+        modes = [CANDIDATES[c] for c in codes]
+        if modes != list(decision.modes):  # a near tie decided differently: replica 0 wins
+            decision = policy.decide(link, costs, compute, modes)
+        self.set_modes(modes, decision)
+        _LOG.info("auto exchange: %s (predicted step %.1f ms, all dense %.1f ms)",
+                  ",".join(modes), 1e3 * decision.step_s, 1e3 * decision.dense_step_s)
+        return decision
+
+    def _measure(self, compute_s: float) -> tuple[LinkCost, list[GroupCost], float]:
+        """Times collectives and compression; every worker's figures averaged."""
+        sizes = list(self.policy.probe_bytes)
+        sum_s, gather_s = link_probe.time_collectives(self.strategy, sizes,
+                                                      self.policy.probe_repeats)
+        compress_s = link_probe.time_compression(self.compressors, self.dtypes,
+                                                 self.policy.probe_repeats)
+        agreed = link_probe.agree_mean(self.strategy,
+                                       [*sum_s, *gather_s, *compress_s, compute_s])
+        n = len(sizes)
+        link = LinkCost.fit(sizes, agreed[:n], agreed[n:2 * n])
+        costs = [group_cost(c, d, t)
+                 for c, d, t in zip(self.compressors, self.dtypes, agreed[2 * n:-1])]
+        return link, costs, agreed[-1]
 
 
 class AutoExchangeCallback(keras.callbacks.Callback):
     """Re-decides the automatic exchange with measured step times during ``model.fit``.
 
-    After the policy's ``warmup_steps`` steps and then every ``remeasure_steps`` steps, the
-    link and compression are measured again, the time per step outside the exchange is
-    taken as the median step time of the steps since the last decision minus their mean
-    exchange time, and the choice is re-taken (every worker runs callbacks, so every
-    worker takes part in the measurements).  When it changed, the train function is
+    After the policy's ``warmup_steps`` steps the choice is re-taken with the time per step
+    outside the exchange (the median step time of the steps since the last decision minus
+    their mean exchange time) and the build-time measurements; every ``remeasure_steps``
+    steps after that the link and compression are measured again too, and a new choice
+    must beat the current one by the policy's ``hysteresis``.  Every worker runs callbacks,
+    so every worker takes part in the measurements.  When it changed, the train function is
     re-traced.  Add it to ``callbacks=`` with an optimizer built with ``exchange="auto"``;
     with any other exchange it does nothing.
     """
@@ -142,7 +186,12 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
 
         opt = find_block_sparse(getattr(self.model, "optimizer", None))
-        return opt if opt is not None and opt.built and opt.compression.auto else None
+        return opt if opt is not None and opt.exchange_chooser is not None else None
+
+    @staticmethod
+    def _totals(opt: Any) -> tuple[float, float]:
+        """Summed exchange seconds and steps so far (a collective under multi-worker)."""
+        return opt.block_sparse_metrics()["exchange_s_total"], float(opt.iterations.numpy())
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         opt = self._opt()
@@ -160,21 +209,23 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         self._walls.append(time.perf_counter() - self._t0)
         self._steps += 1
         if self._window_start is None:  # the first step traces: leave it out
-            self._window_start = opt._exchange_totals()
+            self._window_start = self._totals(opt)
             self._walls = []
             return
         if self._steps < self._next or not self._walls:
             return
-        total, steps = opt._exchange_totals()
+        total, steps = self._totals(opt)
         exchange_s = (total - self._window_start[0]) / max(1.0, steps - self._window_start[1])
         compute_s = max(0.0, float(np.median(self._walls)) - exchange_s)
-        before = opt._group_modes(group_members(opt))
-        decision = measure_and_decide(opt, compute_s)
+        chooser = opt.exchange_chooser
+        before = list(chooser.modes)
+        first = not self.decisions  # the build-time choice knew no compute time: provisional
+        decision = chooser.decide(compute_s, remeasure=not first, hysteresis=not first)
         if decision is not None:
             self.decisions.append((self._steps, decision))
             if list(decision.modes) != before:
                 self.model.make_train_function(force=True)
         every = opt.exchange.remeasure_steps
         self._next = self._steps + every if every else float("inf")
-        self._window_start = opt._exchange_totals()
+        self._window_start = self._totals(opt)
         self._walls = []

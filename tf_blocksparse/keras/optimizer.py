@@ -135,8 +135,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self._residuals: list[keras.Variable] = []
         self._clip_states: list[list[keras.Variable]] = []
         self._velocities: list[keras.Variable] = []
-        self._modes: list[str] = []  # per variable, under exchange="auto"
-        self._decision: ExchangeDecision | None = None
+        self._chooser: auto_exchange.ExchangeChooser | None = None  # exchange="auto"
 
     # -- state ---------------------------------------------------------------------------
     @_compat.no_automatic_dependency_tracking
@@ -164,15 +163,14 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             trainable=False, synchronization="on_read", aggregation="mean",
             name="blocksparse_stats")
         super().build(var_list)
+        self._chooser = None
         if self.compression.auto:
-            self._decision = None
+            groups = self._group_indices()
+            self._chooser = auto_exchange.ExchangeChooser(
+                self.exchange, self._distribution_strategy, groups,
+                [self._compressor(g) for g in groups], self._group_dtypes(groups))
             if auto_exchange.can_measure():
-                auto_exchange.measure_and_decide(self)
-            else:
-                groups = auto_exchange.group_members(self)
-                replicas = self._distribution_strategy.num_replicas_in_sync
-                self._set_modes(groups, [auto_exchange.fallback_modes(
-                    self.exchange, replicas)] * len(groups), None)
+                self._chooser.decide()
 
     def _per_replica_variable(self, v: Any, shape: tuple[int, ...], dtype: str, prefix: str
                               ) -> keras.Variable:
@@ -262,7 +260,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         if self.exchange != "dense":
             residuals = [self._residuals[i] for i in idx]
             state = [tf.convert_to_tensor(r.value) for r in residuals]
-        modes = [self._modes[idx[g[0]]] for g in groups] if self._modes else self.exchange
+        modes = ([self._chooser.mode_of(idx[g[0]]) for g in groups] if self._chooser
+                 else self.exchange)
         result = step.run_grouped_exchange(
             modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
             grads, state, groups, self.metric)
@@ -310,34 +309,41 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         Args:
           compute_s: Measured seconds per step outside the exchange.
         """
-        if not self.built or not self.compression.auto:
+        if self._chooser is None:
             raise ValueError("measure_exchange() needs a built optimizer with exchange='auto'")
         if not auto_exchange.can_measure():
             raise ValueError("measure_exchange() must be called eagerly in cross-replica "
                              "context (it runs collectives on every worker)")
-        return auto_exchange.measure_and_decide(self, compute_s)
+        return self._chooser.decide(compute_s)
+
+    @property
+    def exchange_chooser(self) -> auto_exchange.ExchangeChooser | None:
+        """The automatic exchange's per-group chooser (``None`` for a fixed exchange)."""
+        return self._chooser
 
     @property
     def exchange_decision(self) -> ExchangeDecision | None:
         """The automatic exchange's current choice and its measured inputs (else ``None``)."""
-        return self._decision
+        return None if self._chooser is None else self._chooser.decision
 
-    def _group_modes(self, groups: Sequence[Sequence[int]]) -> list[str] | None:
-        return [self._modes[g[0]] for g in groups] if self._modes else None
+    def compression_seconds(self) -> float:
+        """One replica's compression seconds per step with the exchange in use (its
+        sparsely exchanged groups timed locally, no collective; 0 for dense)."""
+        groups = self._group_indices()
+        modes = self._chooser.modes if self._chooser else [self.exchange] * len(groups)
+        sparse = [g for g, m in zip(groups, modes) if m != "dense"]
+        return auto_exchange.compression_seconds(
+            [self._compressor(g) for g in sparse], self._group_dtypes(sparse))
 
-    def _set_modes(self, groups: Sequence[Sequence[int]], modes: Sequence[str],
-                   decision: ExchangeDecision | None) -> None:
-        per_variable = [""] * len(self._trainable_variables)
-        for group, mode in zip(groups, modes):
-            for i in group:
-                per_variable[i] = mode
-        self._modes, self._decision = per_variable, decision
+    def _group_indices(self) -> list[list[int]]:
+        """Variable indices of every fusion group (one group without a fusion buffer)."""
+        plan = self.fusion_plan
+        if plan is None:
+            return [list(range(len(self._trainable_variables)))]
+        return [list(g.members) for g in plan.groups]
 
-    def _exchange_totals(self) -> tuple[float, float]:
-        """Summed exchange seconds and steps so far (a collective under multi-worker)."""
-        values = self._stats.numpy()
-        return float(values[STAT_NAMES.index("exchange_s_total")]), float(
-            self.iterations.numpy())
+    def _group_dtypes(self, groups: Sequence[Sequence[int]]) -> list[list[Any]]:
+        return [[self._trainable_variables[i].dtype for i in g] for g in groups]
 
     # -- observability -------------------------------------------------------------------
     def block_sparse_metrics(self) -> dict[str, float]:
@@ -355,8 +361,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             return {}
         values = self._stats.numpy()
         out = {n: float(v) for n, v in zip(STAT_NAMES, values)}
-        if self._decision is not None:
-            out.update(self._decision.summary())
+        if self.exchange_decision is not None:
+            out.update(self.exchange_decision.summary())
         return out
 
     # -- config --------------------------------------------------------------------------

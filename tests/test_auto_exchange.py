@@ -1,0 +1,142 @@
+"""exchange="auto" in BlockSparseOptimizer on two real MirroredStrategy replicas, and the
+dense exchange's residual flush against a NumPy reference."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_blocksparse as tfbs
+from tf_blocksparse import blocks
+from tf_blocksparse.exchange import run_exchange
+from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.keras.auto_exchange import fallback_mode
+from tf_blocksparse.keras.momentum import mask_sent
+
+X = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")
+
+
+def _linear_fit(strategy, exchange, steps, modes=None, remodes=None):
+    """A bias-free Dense(16) under ``loss = sum(outputs)``: every step's gradient is the same
+    (it does not depend on the weights), so error feedback's bookkeeping is checkable
+    exactly.  ``modes`` forces the groups' modes after the build; ``remodes`` switches them
+    for one last step."""
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, use_bias=False)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange=exchange, k=2,
+                                        dense_below=0)
+        model.compile(opt, loss=lambda y, p: tf.reduce_sum(p, axis=-1))
+    y = np.zeros((32,), "float32")
+    if modes is not None:
+        with strategy.scope():
+            opt.build(model.trainable_variables)
+        opt.exchange_chooser.set_modes(modes)
+    model.fit(X, y, batch_size=16, epochs=steps, verbose=0, shuffle=False)
+    if remodes is not None:
+        opt.exchange_chooser.set_modes(remodes)
+        model.make_train_function(force=True)
+        model.fit(X, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    return model, opt
+
+
+def test_switching_to_dense_flushes_residuals_nothing_lost(mirrored2):
+    # 2 steps per epoch (32 examples, batch 16); dense reference: 3 epochs
+    dense, _ = _linear_fit(mirrored2, "dense", 3)
+    sparse, opt = _linear_fit(mirrored2, "auto", 2, modes=["allgather"])
+    residual = opt.residuals[0].numpy()  # summed over replicas
+    assert np.abs(residual).sum() > 0  # blocks were held back: the weights differ
+    assert not np.allclose(sparse.get_weights()[0], dense.get_weights()[0], atol=1e-5)
+    switched, opt = _linear_fit(mirrored2, "auto", 2, modes=["allgather"], remodes=["dense"])
+    assert opt.residuals[0].numpy() == pytest.approx(0.0)
+    np.testing.assert_allclose(switched.get_weights()[0], dense.get_weights()[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_dense_exchange_with_state_sends_grad_plus_residual():
+    lay = blocks.BlockLayout("w", (3, 4), blocks.OUTPUT_CHANNEL, None)
+    comp = BlockTopK([lay], k=1)
+    g = np.arange(12, dtype="float32").reshape(3, 4)
+    s = np.ones((3, 4), "float32") * 0.5
+    ctx = tf.distribute.get_replica_context()
+    r = run_exchange("dense", ctx, comp, [tf.constant(g)], [tf.constant(s)])
+    np.testing.assert_array_equal(r.updates[0].numpy(), g + s)
+    np.testing.assert_array_equal(r.residuals[0].numpy(), np.zeros((3, 4)))
+    assert r.sent_ids is None
+    plain = run_exchange("dense", ctx, comp, [tf.constant(g)], None)
+    assert plain.residuals is None
+    np.testing.assert_array_equal(plain.updates[0].numpy(), g)
+
+
+def test_dense_variables_keep_their_momentum():
+    lay = blocks.BlockLayout("w", (2, 3), blocks.OUTPUT_CHANNEL, None)
+    u = tf.ones((2, 3))
+    kept, masked = mask_sent([u, u], [lay, lay], [None, tf.constant([1], tf.int32)])
+    np.testing.assert_array_equal(kept.numpy(), np.ones((2, 3)))
+    assert masked.numpy()[:, 1].sum() == 0 and masked.numpy().sum() == 4
+
+
+def _fit_auto(strategy, policy, **kwargs):
+    with strategy.scope():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(4)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                        exchange=policy, density=0.1, **kwargs)
+        model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    y = (X[:, 0] > 0).astype("int32")
+    callback = tfbs.AutoExchangeCallback()
+    model.fit(X, y, batch_size=8, epochs=3, verbose=0, callbacks=[callback])
+    return opt, callback
+
+
+def test_fit_measures_decides_and_reports(mirrored2):
+    policy = tfbs.AutoExchange(warmup_steps=4, remeasure_steps=4)
+    opt, callback = _fit_auto(mirrored2, policy, fusion_buffer_bytes=1024)
+    decision = opt.exchange_decision
+    assert decision is not None and len(decision.modes) >= 2
+    assert [step for step, _ in callback.decisions] == [4, 8, 12]
+    assert decision.compute_s > 0 and decision.link.sum_latency_s >= 0
+    m = opt.block_sparse_metrics()
+    for key in ("auto_sparse_groups", "auto_dense_groups", "auto_sum_latency_ms",
+                "auto_compute_ms", "auto_predicted_step_ms", "exchange_s"):
+        assert key in m, key
+    assert m["auto_sparse_groups"] + m["auto_dense_groups"] == len(decision.modes)
+    assert m["exchange_s"] > 0 and m["exchange_s_total"] >= m["exchange_s"]
+
+
+@pytest.mark.parametrize("candidates,sparse", [(("allgather",), True), (("dense",), False)])
+def test_candidates_decide_what_is_sent(mirrored2, candidates, sparse):
+    opt, _ = _fit_auto(mirrored2, tfbs.AutoExchange(candidates=candidates), dense_below=0)
+    m = opt.block_sparse_metrics()
+    assert (m["payload_bytes"] < m["dense_bytes"]) == sparse
+    assert opt.exchange_decision.modes == candidates
+
+
+def test_measure_exchange_needs_cross_replica_context(mirrored2):
+    with mirrored2.scope():
+        var = keras.Variable(np.ones((40, 30), "float32"), name="w")
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="auto")
+        opt.build([var])  # eagerly in cross-replica context: measured
+        assert opt.exchange_decision is not None
+        decision = opt.measure_exchange(compute_s=0.01)
+    assert decision.compute_s == pytest.approx(0.01)
+
+    @tf.function
+    def inside():
+        mirrored2.run(lambda: opt.measure_exchange())
+
+    with pytest.raises(ValueError, match="cross-replica"):
+        inside()
+    policy = tfbs.AutoExchange(candidates=("dense", "shared"))
+    assert fallback_mode(policy, 4) == "shared" and fallback_mode(policy, 1) == "dense"
+    assert fallback_mode(tfbs.AutoExchange(candidates=("dense",)), 4) == "dense"
+    with pytest.raises(ValueError, match="modes"):
+        opt.exchange_chooser.set_modes(["sparse"])
+
+
+def test_other_shells_reject_auto():
+    with pytest.raises(ValueError, match="exchange"):
+        tfbs.BlockSparseCrossDeviceOps(exchange="auto")
+    with pytest.raises(ValueError, match="exchange='auto'"):
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="dense").measure_exchange()

@@ -1,0 +1,131 @@
+"""The automatic exchange's policy and cost model (pure Python)."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tf_blocksparse.options import CompressionOptions
+from tf_blocksparse.planning.exchange_cost import (
+    AutoExchange,
+    GroupCost,
+    LinkCost,
+    mode_seconds,
+)
+
+SLOW = LinkCost(1e-3, 8 / 100e6, 1e-3, 3 * 8 / 100e6)  # ~100 Mbit/s, 4 workers' gathers
+FREE = LinkCost(0.0, 0.0, 0.0, 0.0)
+BIG = GroupCost(dense_bytes=12_000_000, whole_bytes=0, id_bytes=4 * 1001, value_bytes=600_000,
+                score_bytes=4 * 1000, compress_s=0.004)
+
+
+def test_link_fit_recovers_a_line_and_clamps():
+    sizes = [1000, 5000, 9000]
+    link = LinkCost.fit(sizes, [1e-3 + 2e-9 * s for s in sizes], [5e-4 + 1e-8 * s for s in sizes])
+    assert link.sum_latency_s == pytest.approx(1e-3)
+    assert link.sum_s_per_byte == pytest.approx(2e-9)
+    assert link.gather_latency_s == pytest.approx(5e-4)
+    assert link.gather_s_per_byte == pytest.approx(1e-8)
+    falling = LinkCost.fit([10, 20], [2.0, 1.0], [1.0, 3.0])  # noise: a negative slope
+    assert falling.sum_s_per_byte == 0.0 and falling.sum_latency_s == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="sizes"):
+        LinkCost.fit([10, 10], [1.0, 1.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="sum_latency_s"):
+        LinkCost(-1.0, 0.0, 0.0, 0.0)
+
+
+def test_mode_seconds_by_hand():
+    link = LinkCost(1.0, 0.5, 2.0, 0.25)
+    g = GroupCost(dense_bytes=100, whole_bytes=10, id_bytes=8, value_bytes=20,
+                  score_bytes=12, compress_s=3.0)
+    assert mode_seconds(link, g, "dense") == 1.0 + 50.0
+    assert mode_seconds(link, g, "allgather") == 3.0 + (1 + 5) + (2 + 2) + (2 + 5)
+    assert mode_seconds(link, g, "shared") == 3.0 + (1 + 5) + (1 + 6) + (1 + 10)
+    only_whole = GroupCost(dense_bytes=10, whole_bytes=10)
+    assert mode_seconds(link, only_whole, "allgather") == 1.0 + 5.0
+    assert mode_seconds(link, GroupCost(0), "dense") == 0.0
+    with pytest.raises(ValueError, match="mode"):
+        mode_seconds(link, g, "auto")
+
+
+def test_slow_link_goes_sparse_fast_link_stays_dense():
+    policy = AutoExchange()
+    assert policy.decide(SLOW, [BIG], compute_s=0.1).modes == ("shared",)  # gathers cost 3x
+    assert policy.decide(FREE, [BIG], compute_s=0.1).modes == ("dense",)
+    small = GroupCost(dense_bytes=4000, whole_bytes=0, id_bytes=8, value_bytes=200,
+                      score_bytes=40, compress_s=0.002)
+    mixed = policy.decide(SLOW, [BIG, small], compute_s=0.1)
+    assert mixed.modes == ("shared", "dense")  # compressing 4 KB costs more than it saves
+    assert mixed.objective_s <= mixed.dense_objective_s
+    assert mixed.summary()["auto_sparse_groups"] == 1.0
+
+
+def test_convergence_cost_can_tip_the_choice():
+    # sparse halves a 0.3 s step's exchange, but a sparse run needs more steps
+    link = LinkCost(0.0, 1e-8, 0.0, 1e-8)
+    g = GroupCost(dense_bytes=10_000_000, id_bytes=8, value_bytes=5_000_000, score_bytes=8)
+    assert AutoExchange(convergence_cost=0.0).decide(link, [g], 0.2).modes == ("allgather",)
+    assert AutoExchange(convergence_cost=1.0).decide(link, [g], 0.2).modes == ("dense",)
+
+
+def test_candidates_and_hysteresis():
+    assert AutoExchange(candidates=("dense",)).decide(SLOW, [BIG]).modes == ("dense",)
+    assert AutoExchange(candidates=("shared",)).decide(FREE, [BIG]).modes == ("shared",)
+    near = AutoExchange(hysteresis=0.99)
+    assert near.decide(SLOW, [BIG], 0.1, current=["dense"]).modes == ("dense",)
+    assert AutoExchange(hysteresis=0.0).decide(SLOW, [BIG], 0.1,
+                                               current=["dense"]).modes == ("shared",)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"candidates": ("dense", "sparse")}, "candidates"), ({"candidates": ()}, "candidates"),
+    ({"candidates": "dense"}, "candidates"), ({"convergence_cost": -1}, "convergence_cost"),
+    ({"probe_bytes": (1024,)}, "probe_bytes"), ({"probe_bytes": (2, 1024)}, "probe_bytes"),
+    ({"probe_repeats": 0}, "probe_repeats"), ({"warmup_steps": 0}, "warmup_steps"),
+    ({"remeasure_steps": -1}, "remeasure_steps"), ({"hysteresis": 1.0}, "hysteresis"),
+])
+def test_bad_policy_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        AutoExchange(**kwargs)
+
+
+def test_options_take_auto_and_round_trip():
+    opts = CompressionOptions(exchange="auto", density=0.05)
+    assert opts.auto and opts.sparse and opts.exchange == AutoExchange()
+    assert opts.get_config()["exchange"] == "auto"
+    custom = opts.replace(exchange=AutoExchange(candidates=("dense", "shared"),
+                                                convergence_cost=0.2))
+    config = custom.get_config()
+    assert config["exchange"] == {"auto": custom.exchange.get_config()}
+    assert CompressionOptions.from_config(config) == custom
+    assert not CompressionOptions(exchange="shared").auto
+    with pytest.raises(ValueError, match="exchange"):
+        CompressionOptions(exchange="automatic")
+    with pytest.raises(ValueError, match="AutoExchange does not take"):
+        CompressionOptions(exchange={"auto": {"speed": 1}})
+
+
+_groups = st.lists(st.builds(
+    lambda d, w, v, c: GroupCost(dense_bytes=d, whole_bytes=min(w, d), id_bytes=8,
+                                 value_bytes=v, score_bytes=64, compress_s=c),
+    st.integers(1, 10**7), st.integers(0, 10**6), st.integers(0, 10**6),
+    st.floats(0, 0.05)), min_size=1, max_size=6)
+_links = st.builds(LinkCost, st.floats(0, 1e-2), st.floats(0, 1e-7), st.floats(0, 1e-2),
+                   st.floats(0, 1e-7))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_links, _groups, st.floats(0, 1.0), st.floats(0, 2.0))
+def test_choice_is_never_predicted_worse_than_all_dense_or_all_sparse(link, groups, compute,
+                                                                      cost):
+    policy = AutoExchange(convergence_cost=cost, hysteresis=0.0)
+    d = policy.decide(link, groups, compute)
+    total = sum(g.dense_bytes for g in groups)
+    for modes in (["dense"] * len(groups), ["allgather"] * len(groups),
+                  ["shared"] * len(groups)):
+        step = compute + math.fsum(mode_seconds(link, g, m) for g, m in zip(groups, modes))
+        delayed = sum(g.delayed_bytes for g, m in zip(groups, modes) if m != "dense")
+        assert d.objective_s <= step * (1 + cost * delayed / total) * (1 + 1e-9)
+    assert d.objective_s <= d.dense_objective_s * (1 + 1e-9)
+    assert d.step_s >= compute
