@@ -104,7 +104,8 @@ def measure(model_name: str, k: int | None, density: float | None, metric: str,
     return {
         "model": model_name, "variables": len(layouts),
         "parameters": int(sum(lay.size for lay in layouts)),
-        "kernels": kernels.path_name(), "k": comp.k, "density": comp.density, "metric": metric, "repeats": repeats,
+        "kernels": kernels.path_name(), "k": comp.k, "density": comp.density,
+        "metric": metric, "repeats": repeats,
         **{n: round(v, 3) for n, v in timings.items()},
         "select_over_read_pass": round(timings["select_ms"] / timings["read_pass_ms"], 3),
         "compress_over_accumulate_pass": round(
