@@ -12,7 +12,7 @@ export TF_CPP_MIN_LOG_LEVEL = 2
 # Worker processes that tests and benchmarks start by file path import launch/ and models/ too.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: venv data test test-slow test-notebooks lint demo bench bench-full bench-micro bench-cluster clean
+.PHONY: venv kernels data test test-slow test-notebooks lint demo bench bench-full bench-micro bench-cluster clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,12 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	@touch $@
+
+# The fused CPU kernels (tf_blocksparse/kernels/blocksparse_ops.cc, g++ and TensorFlow's
+# headers).  Never fails the make: without them the library warns once and uses its
+# pure-TensorFlow path.
+kernels: venv
+	@$(PY) -m tf_blocksparse.kernels.build || echo "kernels: NOTE: not built; the pure-TensorFlow path will be used"
 
 # Debian's Fashion-MNIST IDX files; optional (the loaders fall back to sklearn digits).
 data:
@@ -43,20 +49,20 @@ define run_pytest
 	exit $$rc
 endef
 
-test: venv data
+test: venv kernels data
 	$(call run_pytest,)
 
-test-slow: venv data
+test-slow: venv kernels data
 	$(call run_pytest,-m slow)
 
 # Executes every colab/ notebook headless (CI runs it after `make test`).
-test-notebooks: venv data
+test-notebooks: venv kernels data
 	$(call run_pytest,-m notebooks tests/test_notebooks.py)
 
 lint: venv
 	$(VENV)/bin/ruff check .
 
-demo: venv data
+demo: venv kernels data
 	$(PY) -m launch.demo
 
 # Evidence, quick versions (< 20 min on 2 cores) into benchmarks/results/quick/.
@@ -110,7 +116,7 @@ bench-cluster: venv data
 		--verify_against_data_parallel --out=$(BENCH)
 
 # Micro-benchmarks of single features (each prints one JSON object).
-bench-micro: venv
+bench-micro: venv kernels
 	$(PY) -m launch.bench_selection
 	$(PY) -m launch.bench_fusion
 	$(PY) -m launch.bench_clipping
@@ -119,4 +125,5 @@ bench-micro: venv
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis runs
+	rm -f tf_blocksparse/kernels/*.so
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -21,7 +21,7 @@ from absl import flags
 
 from launch import runtime, script
 from models import registry
-from tf_blocksparse import blocks, codec, selection
+from tf_blocksparse import blocks, codec, kernels, selection
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.options import METRICS
 
@@ -79,8 +79,7 @@ def measure(model_name: str, k: int | None, density: float | None, metric: str,
     def flat_topk():
         return [tf.math.top_k(tf.reshape(g, [-1]), k=n).values for g, n in zip(grads, flat_k)]
 
-    @tf.function
-    def compress():
+    def compress_step():
         state = [r.read_value() for r in residuals]
         prepared = comp.prepare(grads, state)
         payload, new_state = comp.finish(prepared, comp.select(prepared.scores))
@@ -90,21 +89,30 @@ def measure(model_name: str, k: int | None, density: float | None, metric: str,
             r.assign(s)
         return id_buf, val_buf
 
+    compress = tf.function(compress_step)
+    compress_tf = tf.function(compress_step)
+    with kernels.tf_path():  # traced here: the pure-TensorFlow ops, for comparison
+        compress_tf.get_concrete_function()
+
     timings = {name: _median_ms(fn, repeats) for name, fn in [
         ("read_pass_ms", read_pass), ("accumulate_pass_ms", accumulate_pass),
-        ("select_ms", select), ("compress_ms", compress), ("flat_topk_ms", flat_topk)]}
+        ("select_ms", select), ("compress_ms", compress), ("flat_topk_ms", flat_topk),
+        ("compress_tf_ms", compress_tf)]}
     id_buf, val_buf = compress()
     payload = codec.buffer_nbytes(id_buf) + codec.buffer_nbytes(val_buf)
     dense = sum(codec.buffer_nbytes(g) for g in grads)
     return {
         "model": model_name, "variables": len(layouts),
         "parameters": int(sum(lay.size for lay in layouts)),
-        "k": comp.k, "density": comp.density, "metric": metric, "repeats": repeats,
+        "kernels": kernels.path_name(), "k": comp.k, "density": comp.density,
+        "metric": metric, "repeats": repeats,
         **{n: round(v, 3) for n, v in timings.items()},
         "select_over_read_pass": round(timings["select_ms"] / timings["read_pass_ms"], 3),
         "compress_over_accumulate_pass": round(
             timings["compress_ms"] / timings["accumulate_pass_ms"], 3),
         "flat_topk_over_select": round(timings["flat_topk_ms"] / timings["select_ms"], 3),
+        "compress_tf_over_accumulate_pass": round(
+            timings["compress_tf_ms"] / timings["accumulate_pass_ms"], 3),
         "payload_bytes": payload, "dense_bytes": dense,
         "compression_ratio": round(dense / payload, 1),
         "machine": runtime.machine_info(),

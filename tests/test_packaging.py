@@ -63,7 +63,11 @@ def test_wheel_holds_only_the_library(wheel):
     assert len(dist_info) == 1 and top - dist_info == {"tf_blocksparse"}, sorted(top)
     library = {str(p.relative_to(ROOT)) for p in (ROOT / "tf_blocksparse").rglob("*.py")}
     assert library <= set(names), sorted(library - set(names))
-    assert all(n.endswith(".py") for n in names if n.startswith("tf_blocksparse/"))
+    # Python sources, and the fused kernels' C++ source (built where installed); never a
+    # built library.
+    assert all(n.endswith(".py") or n == "tf_blocksparse/kernels/blocksparse_ops.cc"
+               for n in names if n.startswith("tf_blocksparse/")), sorted(names)
+    assert "tf_blocksparse/kernels/blocksparse_ops.cc" in names
 
 
 def test_wheel_requires_only_what_the_library_imports(wheel):

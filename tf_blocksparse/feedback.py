@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tf_blocksparse import selection
+from tf_blocksparse import kernels, selection
 from tf_blocksparse.blocks import ELEMENT, BlockLayout
 from tf_blocksparse.options import (
     DEFAULT_DENSE_BELOW,
@@ -39,10 +39,15 @@ def take_blocks(acc: tf.Tensor, layout: BlockLayout, ids: tf.Tensor
                 ) -> tuple[tf.Tensor, tf.Tensor]:
     """One variable: its blocks ``ids`` [k] and the residual without them.
 
+    On CPU, for float32/64, one fused op (:mod:`tf_blocksparse.kernels`) does both in
+    ``acc``'s buffer; the result is the same bits as the TensorFlow ops'.
+
     Returns:
       ``(values, residual)``: the blocks as rows [k, block_size], and ``acc`` [*shape] with
       those blocks set to zero (the rest bit-exact).
     """
+    if kernels.fusable(acc):
+        return kernels.take_blocks(acc, layout, ids)
     flat = selection.block_flat_indices(ids, layout)
     values = selection.gather_blocks(acc, layout, ids, flat)
     with tf.control_dependencies([values]):  # lets the scatter reuse acc's buffer
@@ -112,15 +117,30 @@ class BlockTopK:
         return tuple(tf.zeros(lay.shape, dt) for lay, dt in zip(self.layouts, dtypes))
 
     def prepare(self, grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor]) -> Prepared:
-        """Error feedback and scoring: ``acc = grad + residual`` and its block scores."""
+        """Error feedback and scoring: ``acc = grad + residual`` and its block scores.
+
+        A compressed float32/64 variable on CPU takes one fused pass
+        (:func:`tf_blocksparse.kernels.accumulate_score`): the same ``acc`` bits, scores
+        equal up to float summation order.
+        """
         self._check(grads, "grads")
         self._check(state, "state")
-        accs = tuple(g + r for g, r in zip(grads, state))
-        scores = tuple(selection.block_scores(a, lay, self.metric)
-                       for a, lay in zip(accs, self.layouts))
+        pairs = [self._accumulate(g, r, lay, whole)
+                 for g, r, lay, whole in zip(grads, state, self.layouts, self.whole)]
+        accs = tuple(a for a, _ in pairs)
+        scores = tuple(s for _, s in pairs)
         finite = tf.reduce_all(tf.math.is_finite(tf.concat(scores, axis=0))) if scores \
             else tf.constant(True)
         return Prepared(accs, scores, finite)
+
+    def _accumulate(self, grad: tf.Tensor, residual: tf.Tensor, layout: BlockLayout,
+                    whole: bool) -> tuple[tf.Tensor, tf.Tensor]:
+        """``(acc [*shape], scores [num_blocks])`` of one variable."""
+        if not whole and isinstance(grad, tf.Tensor) and grad.dtype == residual.dtype \
+                and kernels.fusable(grad):
+            return kernels.accumulate_score(grad, residual, layout, self.metric)
+        acc = grad + residual
+        return acc, selection.block_scores(acc, layout, self.metric)
 
     def select(self, scores: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:
         """Top-k block ids [k_v] per variable from (local or globally summed) scores.

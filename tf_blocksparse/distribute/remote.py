@@ -91,6 +91,10 @@ def serve(cluster: Mapping[str, Sequence[str]], task_index: int) -> Any:
     """
     import tensorflow as tf
 
+    from tf_blocksparse import kernels
+
+    # A client places the fused ops on the workers' CPUs: register their kernels here too.
+    kernels.register()
     spec = check_cluster(cluster)
     if isinstance(task_index, bool) or not isinstance(task_index, int) \
             or not 0 <= task_index < len(spec["worker"]):

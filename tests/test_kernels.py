@@ -1,0 +1,274 @@
+"""The fused CPU kernels (tf_blocksparse.kernels) against NumPy and the pure-TF path.
+
+The library is built first when it is missing (skipped only without a C++ compiler), so a
+broken kernel or a broken integration fails here instead of silently falling back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tf_blocksparse import blocks, kernels, selection
+from tf_blocksparse.feedback import BlockTopK, ElementTopK
+from tf_blocksparse.kernels import build
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_COMPILER = shutil.which(os.environ.get("CXX", "g++")) is None
+CASES = [  # (shape, rule): filter, unit, row, element, transpose, depthwise, single, odd sizes
+    ((3, 3, 5, 7), "output_channel"), ((1, 1, 64, 40), "output_channel"),
+    ((33, 1000), "output_channel"), ((3, 3, 7, 5), "transpose_filter"),
+    ((3, 3, 4, 3), "depthwise_channel"), ((17, 9), "row"), ((300, 70000), "row"),
+    ((13,), "element"), ((5, 7), "element"), ((3, 5), "single"), ((2, 3, 5, 4), "output_unit_2d"),
+    ((3, 40000, 3), "transpose_filter"), ((2, 70000), "output_channel"), ((1,), "element"),
+]
+SETTINGS = settings(max_examples=25, deadline=None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library():
+    """Builds the library if needed and loads it (a load failure fails the tests)."""
+    if kernels.load() is None:
+        if NO_COMPILER:
+            pytest.skip("no C++ compiler (g++) to build the fused kernels")
+        build.build()
+        kernels.reset()
+        assert kernels.load() is not None, "the built library does not load"
+    return kernels.load()
+
+
+def _layout(shape, rule) -> blocks.BlockLayout:
+    return blocks.BlockLayout("v", tuple(shape), blocks.RULES[rule])
+
+
+def _ref_scores(x: np.ndarray, lay: blocks.BlockLayout, metric: str) -> np.ndarray:
+    v = x.astype(np.float64).reshape(lay.view_shape)
+    if metric == "l1" or lay.block_size == 1:
+        return np.abs(v).sum(axis=(0, 2))
+    return np.sqrt((v * v).sum(axis=(0, 2)))
+
+
+def _ref_take(acc: np.ndarray, lay: blocks.BlockLayout, ids: np.ndarray):
+    v = acc.reshape(lay.view_shape)
+    values = v[:, ids, :].transpose(1, 0, 2).reshape(len(ids), lay.block_size)
+    residual = v.copy()
+    residual[:, ids, :] = 0
+    return values, residual.reshape(lay.shape)
+
+
+@pytest.mark.parametrize("metric", ["l1", "l2"])
+@pytest.mark.parametrize("shape,rule", CASES)
+def test_accumulate_score_matches_numpy(shape, rule, metric):
+    lay = _layout(shape, rule)
+    rng = np.random.default_rng(len(shape) + lay.size)
+    g, r = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    acc, scores = kernels.accumulate_score(tf.constant(g), tf.constant(r), lay, metric)
+    np.testing.assert_array_equal(acc.numpy(), g + r)  # bit-exact
+    assert scores.shape == (lay.num_blocks,) and scores.dtype == tf.float32
+    np.testing.assert_allclose(scores.numpy(), _ref_scores(g + r, lay, metric), rtol=2e-5)
+    # Scoring alone gives the same bits; the TF path agrees up to summation order.
+    np.testing.assert_array_equal(kernels.block_scores(acc, lay, metric).numpy(),
+                                  scores.numpy())
+    with kernels.tf_path():
+        tf_scores = selection.block_scores(tf.constant(g + r), lay, metric).numpy()
+    np.testing.assert_allclose(scores.numpy(), tf_scores, rtol=2e-5)
+
+
+def test_scores_are_deterministic_and_float64_works():
+    lay = _layout((3, 3, 256, 300), "output_channel")
+    g = tf.constant(np.random.default_rng(1).standard_normal(lay.shape).astype(np.float32))
+    first = [kernels.block_scores(g, lay, m).numpy() for m in ("l1", "l2")]
+    for _ in range(3):
+        for m, want in zip(("l1", "l2"), first):
+            np.testing.assert_array_equal(kernels.block_scores(g, lay, m).numpy(), want)
+    g64 = tf.cast(g, tf.float64)
+    acc, s = kernels.accumulate_score(g64, g64, lay, "l2")
+    assert acc.dtype == s.dtype == tf.float64
+    np.testing.assert_allclose(s.numpy(), _ref_scores(2 * g.numpy(), lay, "l2"), rtol=1e-9)
+
+
+def test_one_element_blocks_score_abs_even_where_the_square_overflows():
+    lay = _layout((4,), "element")
+    x = tf.constant([3e20, -2.0, 0.0, -1e30], tf.float32)
+    np.testing.assert_array_equal(kernels.block_scores(x, lay, "l2").numpy(), np.abs(x))
+
+
+@pytest.mark.parametrize("shape,rule", CASES)
+@pytest.mark.parametrize("ids_dtype", [tf.int32, tf.int64])
+def test_take_blocks_matches_numpy(shape, rule, ids_dtype):
+    lay = _layout(shape, rule)
+    acc = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    for ids in ([lay.num_blocks - 1], [0, lay.num_blocks - 1, lay.num_blocks // 2]):
+        ids = np.array(ids[: lay.num_blocks] if len(set(ids)) == len(ids) else ids[:1])
+        values, residual = kernels.take_blocks(tf.constant(acc), lay, tf.constant(ids, ids_dtype))
+        want_values, want_residual = _ref_take(acc, lay, ids)
+        np.testing.assert_array_equal(values.numpy(), want_values)
+        np.testing.assert_array_equal(residual.numpy(), want_residual)
+
+
+def test_take_blocks_repeated_ids_and_bad_ids():
+    lay = _layout((4, 6), "output_channel")
+    acc = tf.constant(np.arange(24, dtype=np.float32).reshape(4, 6))
+    values, residual = kernels.take_blocks(acc, lay, tf.constant([2, 2]))
+    np.testing.assert_array_equal(values.numpy(), np.tile(acc.numpy()[:, 2], (2, 1)))
+    assert not residual.numpy()[:, 2].any() and residual.numpy().sum() == acc.numpy().sum() - 44
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
+        kernels.take_blocks(acc, lay, tf.constant([6]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="elements"):
+        kernels.accumulate_score(acc, acc, _layout((5, 6), "output_channel"), "l1")
+
+
+@st.composite
+def _problems(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=0, max_size=4)))
+    lay = _layout(shape, draw(st.sampled_from(sorted(blocks.RULES))))
+    k = draw(st.integers(1, lay.num_blocks))
+    return lay, k, draw(st.integers(0, 2**31 - 1)), draw(st.sampled_from(["l1", "l2"]))
+
+
+@SETTINGS
+@given(_problems())
+def test_conservation_is_exact(problem):
+    lay, k, seed, metric = problem
+    rng = np.random.default_rng(seed)
+    g, r = (tf.constant(rng.standard_normal(lay.shape).astype(np.float32)) for _ in range(2))
+    acc, scores = kernels.accumulate_score(g, r, lay, metric)
+    ids = selection.top_blocks(scores, k)
+    values, residual = kernels.take_blocks(acc, lay, ids)
+    back = selection.scatter_blocks(values, ids, lay) + residual
+    np.testing.assert_array_equal(back.numpy(), (g + r).numpy())
+    assert not selection.gather_blocks(residual, lay, ids).numpy().any()
+
+
+def _compress_fn(comp: BlockTopK):
+    """``comp.compress`` as a ``tf.function`` returning ``(ids, values, new_state)``."""
+    def run(grads, state):
+        payload, new_state = comp.compress(grads, state)
+        return payload.ids, payload.values, new_state
+    return tf.function(run)
+
+
+def _model_layouts() -> list[blocks.BlockLayout]:
+    return [_layout(s, r) for s, r in CASES[:11]]
+
+
+@pytest.mark.parametrize("cls", [BlockTopK, ElementTopK])
+@pytest.mark.parametrize("metric", ["l1", "l2"])
+@pytest.mark.parametrize("k,density", [(1, None), (3, None), (None, 0.3)])
+def test_fused_and_tf_paths_give_the_same_exchange(cls, metric, k, density):
+    layouts = _model_layouts()
+    comp = cls(layouts, k=k, density=density, metric=metric)
+    rng = np.random.default_rng(3)
+    grads = [tf.constant(rng.standard_normal(lay.shape).astype(np.float32)) for lay in layouts]
+    state = [tf.constant(rng.standard_normal(lay.shape).astype(np.float32)) for lay in layouts]
+    fused = _compress_fn(comp)
+    graph = fused.get_concrete_function(grads, state).graph
+    assert {"BlockAccumulateScore", "TakeBlocks"} <= {op.type for op in graph.get_operations()}
+    ids, values, new_state = fused(grads, state)
+    with kernels.tf_path():
+        tf_compress = _compress_fn(comp)
+        tf_graph = tf_compress.get_concrete_function(grads, state).graph
+    assert "TakeBlocks" not in {op.type for op in tf_graph.get_operations()}
+    tf_ids, tf_values, tf_state = tf_compress(grads, state)
+    for i, ti, v, tv in zip(ids, tf_ids, values, tf_values):  # random data: no near-ties
+        order, tf_order = np.argsort(i.numpy()), np.argsort(ti.numpy())
+        np.testing.assert_array_equal(i.numpy()[order], ti.numpy()[tf_order])
+        np.testing.assert_array_equal(v.numpy()[order], tv.numpy()[tf_order])
+    for a, b in zip(new_state, tf_state):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_ties_go_to_the_lower_block_id():
+    lay = _layout((3, 3, 4, 10), "output_channel")
+    comp = BlockTopK([lay], k=3)
+    ones = tf.ones(lay.shape)
+    payload, _ = comp.compress([ones], [tf.zeros(lay.shape)])
+    np.testing.assert_array_equal(np.sort(payload.ids[0].numpy()), [0, 1, 2])
+    one = BlockTopK([lay], k=1).compress([ones], [tf.zeros(lay.shape)])[0]
+    np.testing.assert_array_equal(one.ids[0].numpy(), [0])
+
+
+def test_not_fused_on_gpu_devices_or_other_dtypes():
+    @tf.function(input_signature=[tf.TensorSpec([4, 3])])
+    def probe(x):
+        with tf.device("/device:GPU:0"):
+            on_gpu = tf.identity(x)
+        with tf.device("/device:CPU:0"):
+            on_cpu = tf.identity(x)
+        flags.extend([kernels.fusable(on_gpu), kernels.fusable(on_cpu),
+                      kernels.fusable(tf.cast(x, tf.float16))])
+        return x
+
+    flags: list[bool] = []
+    probe.get_concrete_function()
+    assert flags == [False, True, False]
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3",
+                               **env}, capture_output=True, text=True, timeout=300)
+
+
+COMPRESS = """
+    import warnings, numpy as np, tensorflow as tf
+    from pathlib import Path
+    from tf_blocksparse import blocks, kernels
+    from tf_blocksparse.feedback import BlockTopK
+    lay = blocks.BlockLayout("v", (3, 3, 4, 8), blocks.RULES["output_channel"])
+    g = tf.constant(np.arange(288, dtype=np.float32).reshape(lay.shape))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        {load}
+        for _ in range(2):
+            payload, state = BlockTopK([lay], k=2).compress([g], [tf.zeros_like(g)])
+    assert sorted(payload.ids[0].numpy()) == [6, 7], payload.ids
+    assert kernels.path_name() == "tf"
+    print("WARNINGS", len([w for w in caught if "tf_blocksparse" in str(w.message)]))
+    print("\\n".join(str(w.message) for w in caught))
+"""
+
+
+def test_environment_variable_forces_the_tf_path_without_warning():
+    proc = _run(COMPRESS.format(load="kernels.load()"), TF_BLOCKSPARSE_KERNELS="0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNINGS 0" in proc.stdout, proc.stdout
+
+
+def test_missing_library_warns_once_and_falls_back():
+    proc = _run(COMPRESS.format(load="kernels.load(Path('/nonexistent/lib.so'))"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNINGS 1" in proc.stdout, proc.stdout
+    assert "python -m tf_blocksparse.kernels.build" in proc.stdout
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler (g++) to build the fused kernels")
+def test_build_module_builds_from_source(tmp_path):
+    out = build.build(tmp_path / "ops.so", force=True)
+    assert out.exists() and out.stat().st_size > 0
+    proc = _run(f"""
+        import tensorflow as tf
+        m = tf.load_op_library({str(out)!r})
+        acc, s = m.block_accumulate_score([[1.0, -2.0]], [[0.5, 0.5]], outer=1, num_blocks=2,
+                                          inner=1)
+        print(acc.numpy().tolist(), s.numpy().tolist())
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[[1.5, -1.5]] [1.5, 1.5]" in proc.stdout
+
+
+def test_build_module_reports_a_missing_compiler():
+    proc = _run("from tf_blocksparse.kernels import build; import sys; "
+                "sys.exit(build.main(['--force']))", CXX="no-such-compiler-xyz")
+    assert proc.returncode == 1
+    assert "not built" in proc.stderr and "no-such-compiler-xyz" in proc.stderr
