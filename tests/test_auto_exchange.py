@@ -140,3 +140,13 @@ def test_other_shells_reject_auto():
         tfbs.BlockSparseCrossDeviceOps(exchange="auto")
     with pytest.raises(ValueError, match="exchange='auto'"):
         tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="dense").measure_exchange()
+
+
+def test_one_group_out_of_variable_order_is_scattered_back_by_position():
+    from tf_blocksparse.keras.optimizer_step import run_grouped_exchange
+
+    grads = [tf.constant([1.0, 2.0]), tf.constant([[3.0]])]
+    ctx = tf.distribute.get_replica_context()
+    r = run_grouped_exchange("dense", ctx, lambda g: None, grads, None, [[1, 0]])
+    assert [u.shape for u in r.updates] == [(2,), (1, 1)]
+    np.testing.assert_array_equal(r.updates[0].numpy(), [1.0, 2.0])

@@ -128,7 +128,7 @@ def run_grouped_exchange(mode: str | Sequence[str], ctx: tf.distribute.ReplicaCo
                 residuals[i] = r.residuals[j]
             if r.sent_ids is not None:
                 sent[i] = r.sent_ids[j]
-    if len(parts) == 1:
+    if len(parts) == 1 and list(groups[0]) == list(range(n)):
         return parts[0]
     if any(u is None for u in updates):
         raise ValueError("`groups` must cover every gradient exactly once")
