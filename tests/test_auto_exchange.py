@@ -142,6 +142,20 @@ def test_other_shells_reject_auto():
         tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="dense").measure_exchange()
 
 
+def test_adjacent_groups_of_one_mode_share_their_collectives(mirrored2):
+    from tf_blocksparse.keras.optimizer_step import merge_runs
+
+    assert merge_runs([[0], [1, 2], [3], [4]], ["dense", "dense", "shared", "dense"]) == (
+        [[0, 1, 2], [3], [4]], ["dense", "shared", "dense"])
+    # all groups allgather: one id buffer with one flag, exactly the plain allgather bytes
+    policy = tfbs.AutoExchange(candidates=("allgather",))
+    auto, _ = _fit_auto(mirrored2, policy, dense_below=0, fusion_buffer_bytes=1024)
+    assert len(auto.exchange_decision.modes) >= 2
+    plain, _ = _fit_auto(mirrored2, "allgather", dense_below=0)
+    assert auto.block_sparse_metrics()["payload_bytes"] == \
+        plain.block_sparse_metrics()["payload_bytes"]
+
+
 def test_one_group_out_of_variable_order_is_scattered_back_by_position():
     from tf_blocksparse.keras.optimizer_step import run_grouped_exchange
 

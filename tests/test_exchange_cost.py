@@ -1,6 +1,5 @@
 """The automatic exchange's policy and cost model (pure Python)."""
 
-import math
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +10,7 @@ from tf_blocksparse.planning.exchange_cost import (
     AutoExchange,
     GroupCost,
     LinkCost,
+    exchange_seconds,
     mode_seconds,
 )
 
@@ -124,8 +124,22 @@ def test_choice_is_never_predicted_worse_than_all_dense_or_all_sparse(link, grou
     total = sum(g.dense_bytes for g in groups)
     for modes in (["dense"] * len(groups), ["allgather"] * len(groups),
                   ["shared"] * len(groups)):
-        step = compute + math.fsum(mode_seconds(link, g, m) for g, m in zip(groups, modes))
+        step = compute + exchange_seconds(link, groups, modes)
         delayed = sum(g.delayed_bytes for g, m in zip(groups, modes) if m != "dense")
         assert d.objective_s <= step * (1 + cost * delayed / total) * (1 + 1e-9)
     assert d.objective_s <= d.dense_objective_s * (1 + 1e-9)
     assert d.step_s >= compute
+
+
+def test_adjacent_groups_of_one_mode_pay_one_latency():
+    link = LinkCost(1.0, 0.0, 2.0, 0.0)
+    g = GroupCost(dense_bytes=100, id_bytes=8, value_bytes=20, score_bytes=12)
+    assert exchange_seconds(link, [g, g, g], ["dense"] * 3) == 1.0
+    assert exchange_seconds(link, [g, g], ["allgather", "allgather"]) == 2 * 2.0
+    assert exchange_seconds(link, [g, g, g], ["dense", "shared", "dense"]) == 1 + 2 + 1
+    # many small groups: sparse everywhere is one set of collectives, not one per group
+    small = GroupCost(dense_bytes=40_000, id_bytes=8, value_bytes=2_000, score_bytes=400,
+                      compress_s=1e-4)
+    slow = LinkCost(5e-3, 8 / 100e6, 5e-3, 3 * 8 / 100e6)
+    d = AutoExchange(convergence_cost=0.0).decide(slow, [small] * 8, compute_s=0.1)
+    assert set(d.modes) == {"shared"}

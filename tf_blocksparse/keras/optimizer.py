@@ -260,8 +260,10 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         if self.exchange != "dense":
             residuals = [self._residuals[i] for i in idx]
             state = [tf.convert_to_tensor(r.value) for r in residuals]
-        modes = ([self._chooser.mode_of(idx[g[0]]) for g in groups] if self._chooser
-                 else self.exchange)
+        modes: Any = self.exchange
+        if self._chooser:  # adjacent groups of one mode share one set of collectives
+            groups, modes = step.merge_runs(
+                groups, [self._chooser.mode_of(idx[g[0]]) for g in groups])
         result = step.run_grouped_exchange(
             modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
             grads, state, groups, self.metric)

@@ -17,7 +17,14 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
   :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths).
 """
 
-from .exchange_cost import AutoExchange, ExchangeDecision, GroupCost, LinkCost, mode_seconds
+from .exchange_cost import (
+    AutoExchange,
+    ExchangeDecision,
+    GroupCost,
+    LinkCost,
+    exchange_seconds,
+    mode_seconds,
+)
 from .fusion import (
     FusionGroup,
     FusionPlan,
@@ -77,7 +84,8 @@ from .topology import Topology, homogeneous, random_heterogeneous, two_level
 
 __all__ = [
     # automatic exchange
-    "AutoExchange", "ExchangeDecision", "GroupCost", "LinkCost", "mode_seconds",
+    "AutoExchange", "ExchangeDecision", "GroupCost", "LinkCost", "exchange_seconds",
+    "mode_seconds",
     "FusionGroup", "FusionPlan", "FusionScheduler", "TensorSpec", "compare_plans",
     "execution_order", "min_imbalance", "plan_backward", "plan_balanced", "plan_ddp",
     "plan_horovod_greedy", "plan_summary", "plan_tf_group_by_size", "simulate",

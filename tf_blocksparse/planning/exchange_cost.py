@@ -24,7 +24,9 @@ where ``f`` is the fraction of the gradient bytes exchanged sparsely and ``conve
 the extra steps a fully sparse run needs (our 4-worker time-to-accuracy runs at density 0.05
 needed 1.4x (ResNet-20) to 1.7x (vgg_fc) the dense steps; default 0.5).  The minimisation
 ranks groups by step seconds saved per byte delayed and takes the best prefix of that order,
-so the result is never predicted worse than all-dense or all-sparse.
+or one sparse mode everywhere if that is better, so the result is never predicted worse than
+all-dense or all-sparse.  Adjacent groups that get the same mode are exchanged together (one
+set of collectives, :func:`exchange_seconds`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["CANDIDATES", "AutoExchange", "ExchangeDecision", "GroupCost", "LinkCost",
-           "mode_seconds"]
+           "exchange_seconds", "mode_seconds"]
 
 #: The modes an automatic exchange may choose from.
 CANDIDATES = ("dense", "allgather", "shared")
@@ -158,6 +160,28 @@ def mode_seconds(link: LinkCost, group: GroupCost, mode: str) -> float:
     raise ValueError(f"`mode` must be one of {CANDIDATES}, got {mode!r}")
 
 
+def _join(a: GroupCost, b: GroupCost) -> GroupCost:
+    """Two adjacent groups exchanged as one (one id buffer keeps one non-finite flag)."""
+    flag = 4 if a.id_bytes and b.id_bytes else 0
+    return GroupCost(a.dense_bytes + b.dense_bytes, a.whole_bytes + b.whole_bytes,
+                     a.id_bytes + b.id_bytes - flag, a.value_bytes + b.value_bytes,
+                     a.score_bytes + b.score_bytes, a.compress_s + b.compress_s)
+
+
+def exchange_seconds(link: LinkCost, groups: Sequence[GroupCost], modes: Sequence[str]
+                     ) -> float:
+    """Predicted seconds per step of all groups' exchanges with ``modes``; adjacent groups
+    with the same mode are exchanged together (one set of collectives), as the optimizer
+    wrapper does."""
+    runs: list[tuple[GroupCost, str]] = []
+    for g, m in zip(groups, modes):
+        if runs and runs[-1][1] == m:
+            runs[-1] = (_join(runs[-1][0], g), m)
+        else:
+            runs.append((g, m))
+    return math.fsum(mode_seconds(link, g, m) for g, m in runs)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExchangeDecision:
     """What :meth:`AutoExchange.decide` chose and from what.
@@ -269,7 +293,7 @@ class AutoExchange:
         sparse = [m for m in self.candidates if m in _SPARSE]
 
         def evaluate(modes: Sequence[str]) -> tuple[float, float]:
-            step = compute_s + math.fsum(mode_seconds(link, g, m) for g, m in zip(groups, modes))
+            step = compute_s + exchange_seconds(link, groups, modes)
             delayed = sum(g.delayed_bytes for g, m in zip(groups, modes) if m != "dense")
             return step, step * (1 + self.convergence_cost * delayed / total)
 
@@ -290,6 +314,9 @@ class AutoExchange:
                     modes[i] = own[i]
                     if evaluate(modes)[1] < evaluate(best)[1]:
                         best = list(modes)
+            for m in sparse:  # one mode everywhere: one set of collectives in all
+                if evaluate([m] * len(groups))[1] < evaluate(best)[1]:
+                    best = [m] * len(groups)
         if current is not None and len(current) == len(groups) and \
                 all(m in CANDIDATES for m in current) and \
                 evaluate(best)[1] > (1 - self.hysteresis) * evaluate(current)[1]:
