@@ -159,7 +159,8 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
     Args:
       mode: ``"allgather"``, ``"shared"`` or ``"dense"``.
       grads_per_replica: ``[replica][variable]`` gradients.
-      residuals_per_replica: ``[replica][variable]`` residuals (may be ``None`` for dense).
+      residuals_per_replica: ``[replica][variable]`` residuals (may be ``None`` for dense;
+        given to dense, they are sent with the gradients and come back zero).
       layouts: One layout per variable.
       k, density, metric: Selection parameters (see :func:`np_compress`).
       sent: If a list, it receives ``[replica][variable]`` the block ids each replica
@@ -177,12 +178,14 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     n = len(grads_per_replica)
     nvars = len(layouts)
-    if mode == "dense":
-        updates = [sum(np.asarray(grads_per_replica[r][v]) for r in range(n))
+    if mode == "dense":  # residuals, when given, are flushed: grad + residual goes out
+        held = residuals_per_replica
+        updates = [sum(np.asarray(grads_per_replica[r][v]) +
+                       (0 if held is None else np.asarray(held[r][v])) for r in range(n))
                    for v in range(nvars)]
         finite = all(bool(np.all(np.isfinite(u))) for u in updates)
-        residuals = ([[np.asarray(x) for x in rs] for rs in residuals_per_replica]
-                     if residuals_per_replica is not None else [])
+        residuals = ([[np.zeros_like(np.asarray(x)) for x in rs] for rs in held]
+                     if held is not None else [])
         return updates, residuals, finite
 
     accs = [[np.asarray(grads_per_replica[r][v]) + np.asarray(residuals_per_replica[r][v])
