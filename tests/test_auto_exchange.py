@@ -143,9 +143,10 @@ def test_other_shells_reject_auto():
 
 
 def test_adjacent_groups_of_one_mode_share_their_collectives(mirrored2):
-    from tf_blocksparse.keras.optimizer_step import merge_runs
+    from tf_blocksparse.planning.exchange_cost import merge_runs
 
-    assert merge_runs([[0], [1, 2], [3], [4]], ["dense", "dense", "shared", "dense"]) == (
+    assert merge_runs([[0], [1, 2], [3], [4]], ["dense", "dense", "shared", "dense"],
+                      lambda a, b: a + b) == (
         [[0, 1, 2], [3], [4]], ["dense", "shared", "dense"])
     # all groups allgather: one id buffer with one flag, exactly the plain allgather bytes
     policy = tfbs.AutoExchange(candidates=("allgather",))

@@ -49,7 +49,7 @@ from tf_blocksparse.keras.optimizer_args import (
     split_arguments,
 )
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
-from tf_blocksparse.planning.exchange_cost import ExchangeDecision
+from tf_blocksparse.planning.exchange_cost import ExchangeDecision, merge_runs
 from tf_blocksparse.planning.fusion import FusionPlan
 from tf_blocksparse.unitwise import layout_unit_axes
 
@@ -262,8 +262,9 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             state = [tf.convert_to_tensor(r.value) for r in residuals]
         modes: Any = self.exchange
         if self._chooser:  # adjacent groups of one mode share one set of collectives
-            groups, modes = step.merge_runs(
-                groups, [self._chooser.mode_of(idx[g[0]]) for g in groups])
+            groups, modes = merge_runs(
+                groups, [self._chooser.mode_of(idx[g[0]]) for g in groups],
+                lambda a, b: a + b)
         result = step.run_grouped_exchange(
             modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
             grads, state, groups, self.metric)

@@ -89,22 +89,6 @@ def apply_inner(inner: keras.optimizers.Optimizer, nonfinite: str,
         cross_replica, args=(list(updates), finite))
 
 
-def merge_runs(groups: Sequence[Sequence[int]], modes: Sequence[str]
-               ) -> tuple[list[list[int]], list[str]]:
-    """Joins adjacent groups (in backward order) that use the same mode into one, so each
-    run of a mode costs one set of collectives (the automatic exchange's fusion groups
-    only set the granularity of its choice)."""
-    out_groups: list[list[int]] = []
-    out_modes: list[str] = []
-    for group, mode in zip(groups, modes):
-        if out_modes and out_modes[-1] == mode:
-            out_groups[-1] += list(group)
-        else:
-            out_groups.append(list(group))
-            out_modes.append(mode)
-    return out_groups, out_modes
-
-
 def run_grouped_exchange(mode: str | Sequence[str], ctx: tf.distribute.ReplicaContext,
                          make_comp: Callable[[Sequence[int]], BlockTopK | None],
                          grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor] | None,

@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 __all__ = ["CANDIDATES", "AutoExchange", "ExchangeDecision", "GroupCost", "LinkCost",
-           "exchange_seconds", "mode_seconds"]
+           "exchange_seconds", "merge_runs", "mode_seconds"]
+
+T = TypeVar("T")
 
 #: The modes an automatic exchange may choose from.
 CANDIDATES = ("dense", "allgather", "shared")
@@ -168,18 +170,29 @@ def _join(a: GroupCost, b: GroupCost) -> GroupCost:
                      a.score_bytes + b.score_bytes, a.compress_s + b.compress_s)
 
 
+def merge_runs(items: Sequence[T], modes: Sequence[str], join: Callable[[T, T], T]
+               ) -> tuple[list[T], list[str]]:
+    """Joins adjacent items (fusion groups, in backward order) that use the same mode, so
+    each run of a mode is exchanged once (one set of collectives).  The optimizer wrapper
+    merges its groups' variables with it and :func:`exchange_seconds` their costs, so the
+    model prices exactly what runs."""
+    out: list[T] = []
+    out_modes: list[str] = []
+    for item, mode in zip(items, modes):
+        if out_modes and out_modes[-1] == mode:
+            out[-1] = join(out[-1], item)
+        else:
+            out.append(item)
+            out_modes.append(mode)
+    return out, out_modes
+
+
 def exchange_seconds(link: LinkCost, groups: Sequence[GroupCost], modes: Sequence[str]
                      ) -> float:
     """Predicted seconds per step of all groups' exchanges with ``modes``; adjacent groups
-    with the same mode are exchanged together (one set of collectives), as the optimizer
-    wrapper does."""
-    runs: list[tuple[GroupCost, str]] = []
-    for g, m in zip(groups, modes):
-        if runs and runs[-1][1] == m:
-            runs[-1] = (_join(runs[-1][0], g), m)
-        else:
-            runs.append((g, m))
-    return math.fsum(mode_seconds(link, g, m) for g, m in runs)
+    with the same mode are exchanged together (:func:`merge_runs`)."""
+    runs, run_modes = merge_runs(groups, modes, _join)
+    return math.fsum(mode_seconds(link, g, m) for g, m in zip(runs, run_modes))
 
 
 @dataclasses.dataclass(frozen=True)
