@@ -1,11 +1,14 @@
 """Selection cost on ResNet-50-shaped gradients, against plain passes over the same tensors.
 
-Prints one JSON object (milliseconds, median of ``--repeats`` runs, all in one process):
+Prints one JSON object (milliseconds, median of ``--repeats`` rounds, all in one process;
+every round times each measurement once, interleaved, so a drift of the machine hits all
+alike):
 ``select_ms`` (score + top-k + gather), ``compress_ms`` (accumulate + select + residual +
 pack: the wrapper's full per-step work on one replica), ``flat_topk_ms`` (``tf.math.top_k``
 on each flattened tensor for the same number of elements), ``read_pass_ms`` (one
 ``reduce_sum(abs(g))`` over all tensors), ``accumulate_pass_ms`` (``residual += grad`` over
-all tensors), ratios, and one step's ``payload_bytes`` / ``dense_bytes``.
+all tensors), ratios of the medians, the quartiles of each ratio over the rounds
+(``*_quartiles``), and one step's ``payload_bytes`` / ``dense_bytes``.
 
     python -m launch.bench_selection [--k=1 | --density=0.01] [--metric=l1] [--repeats=7]
 """
@@ -13,7 +16,6 @@ all tensors), ratios, and one step's ``payload_bytes`` / ``dense_bytes``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -32,7 +34,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("k", None, "Blocks kept per variable (default 1).")
     flags.DEFINE_float("density", None, "Fraction of blocks kept per variable.")
     flags.DEFINE_enum("metric", "l1", list(METRICS), "Block score.")
-    flags.DEFINE_integer("repeats", 9, "Timed runs per measurement (median reported).",
+    flags.DEFINE_integer("repeats", 15, "Timed runs per measurement (median reported).",
                          lower_bound=1)
     flags.DEFINE_enum("model", "resnet50", ["resnet50", "vgg16"], "Registry model whose "
                       "variables are selected from.")
@@ -44,8 +46,10 @@ def define_flags() -> None:
         "give at most one of --k and --density")
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    return 1000 * runtime.median_seconds(fn, repeats, warmup=2)
+def _quartiles(values: list[float]) -> list[float]:
+    """Lower quartile, median, upper quartile."""
+    q = np.quantile(np.asarray(values), [0.25, 0.5, 0.75])
+    return [round(float(v), 3) for v in q]
 
 
 def measure(model_name: str, k: int | None, density: float | None, metric: str,
@@ -94,10 +98,15 @@ def measure(model_name: str, k: int | None, density: float | None, metric: str,
     with kernels.tf_path():  # traced here: the pure-TensorFlow ops, for comparison
         compress_tf.get_concrete_function()
 
-    timings = {name: _median_ms(fn, repeats) for name, fn in [
-        ("read_pass_ms", read_pass), ("accumulate_pass_ms", accumulate_pass),
-        ("select_ms", select), ("compress_ms", compress), ("flat_topk_ms", flat_topk),
-        ("compress_tf_ms", compress_tf)]}
+    rounds = runtime.interleaved_seconds({
+        "read_pass_ms": read_pass, "accumulate_pass_ms": accumulate_pass,
+        "select_ms": select, "compress_ms": compress, "flat_topk_ms": flat_topk,
+        "compress_tf_ms": compress_tf}, repeats, warmup=2)
+    timings = {name: 1000 * float(np.median(s)) for name, s in rounds.items()}
+
+    def ratio_quartiles(num: str, den: str) -> list[float]:
+        return _quartiles([a / b for a, b in zip(rounds[num], rounds[den])])
+
     id_buf, val_buf = compress()
     payload = codec.buffer_nbytes(id_buf) + codec.buffer_nbytes(val_buf)
     dense = sum(codec.buffer_nbytes(g) for g in grads)
@@ -113,6 +122,9 @@ def measure(model_name: str, k: int | None, density: float | None, metric: str,
         "flat_topk_over_select": round(timings["flat_topk_ms"] / timings["select_ms"], 3),
         "compress_tf_over_accumulate_pass": round(
             timings["compress_tf_ms"] / timings["accumulate_pass_ms"], 3),
+        "compress_over_accumulate_pass_quartiles": ratio_quartiles(
+            "compress_ms", "accumulate_pass_ms"),
+        "flat_topk_over_select_quartiles": ratio_quartiles("flat_topk_ms", "select_ms"),
         "payload_bytes": payload, "dense_bytes": dense,
         "compression_ratio": round(dense / payload, 1),
         "machine": runtime.machine_info(),

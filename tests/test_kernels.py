@@ -97,6 +97,27 @@ def test_scores_are_deterministic_and_float64_works():
     np.testing.assert_allclose(s.numpy(), _ref_scores(2 * g.numpy(), lay, "l2"), rtol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_accumulate_into_a_forwarded_buffer_at_any_alignment(dtype, offset):
+    """``acc`` written over a fresh ``grad`` (the buffer forwarded) and into slices that start
+    off a 16-byte boundary: the same bits as NumPy either way, scores as the reference."""
+    lay = _layout((3, 3, 64, 129), "output_channel")  # > one tile, rows not a lane multiple
+    rng = np.random.default_rng(offset)
+    base = rng.standard_normal(lay.size + offset).astype(dtype)
+    r = rng.standard_normal(lay.shape).astype(dtype)
+
+    @tf.function
+    def run(base, r):
+        g = tf.reshape(base[offset:] * 2, lay.shape)  # fresh, uniquely owned: forwardable
+        return kernels.accumulate_score(g, r, lay, "l1")
+
+    acc, scores = run(tf.constant(base), tf.constant(r))
+    want = (base[offset:] * 2).reshape(lay.shape) + r
+    np.testing.assert_array_equal(acc.numpy(), want)
+    np.testing.assert_allclose(scores.numpy(), _ref_scores(want, lay, "l1"), rtol=2e-5)
+
+
 def test_one_element_blocks_score_abs_even_where_the_square_overflows():
     lay = _layout((4,), "element")
     x = tf.constant([3e20, -2.0, 0.0, -1e30], tf.float32)
