@@ -165,3 +165,70 @@ def test_one_group_out_of_variable_order_is_scattered_back_by_position():
     r = run_grouped_exchange("dense", ctx, lambda g: None, grads, None, [[1, 0]])
     assert [u.shape for u in r.updates] == [(2,), (1, 1)]
     np.testing.assert_array_equal(r.updates[0].numpy(), [1.0, 2.0])
+
+
+def _momentum_fit(strategy, exchange, epochs, modes=None, remodes=None, **kwargs):
+    """Dense(64, relu) + Dense(4) under SGD(0.05, momentum=0.9), 2 steps per epoch;
+    ``modes`` forces every group's mode after the build, ``remodes`` for one more epoch."""
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(4)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                        exchange=exchange, **kwargs)
+        model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    y = (X[:, 0] > 0).astype("int32")
+    if modes is not None:
+        with strategy.scope():
+            opt.build(model.trainable_variables)
+        opt.exchange_chooser.set_modes([modes] * len(opt.exchange_chooser.groups))
+    model.fit(X, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False)
+    if remodes is not None:
+        opt.exchange_chooser.set_modes([remodes] * len(opt.exchange_chooser.groups))
+        model.make_train_function(force=True)
+        model.fit(X, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    return model, opt
+
+
+def test_all_dense_auto_is_the_dense_exchange_bit_for_bit(mirrored2):
+    dense, _ = _momentum_fit(mirrored2, "dense", 3)
+    auto, opt = _momentum_fit(mirrored2, "auto", 3, modes="dense", density=0.1,
+                              fusion_buffer_bytes=512)
+    assert len(opt.exchange_chooser.groups) >= 2  # merged into one run, in variable order
+    for a, b in zip(auto.get_weights(), dense.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # the momentum is the inner SGD's; the per-replica velocities and residuals are empty
+    assert all(np.abs(m.numpy()).sum() > 0 for m in opt.inner_optimizer.momentums)
+    assert all(np.abs(u.numpy()).sum() == 0 for u in opt.velocities)
+    assert all(np.abs(r.numpy()).sum() == 0 for r in opt.residuals)
+    # the serialised inner SGD has no momentum of its own: the policy carries it
+    config = opt.get_config()
+    assert config["inner"]["config"]["momentum"] == 0.0
+    assert config["momentum_correction"]["momentum"] == 0.9
+    again = tfbs.BlockSparseOptimizer.from_config(config)
+    assert again.inner_optimizer.momentum == 0.9 and again._inner_momentum
+
+
+def test_momentum_moves_with_a_group_between_dense_and_sparse(mirrored2):
+    # density 1 with no masking: the sparse exchange sends everything and keeps u, so it is
+    # momentum SGD too, and a switch that moved the momentum correctly changes nothing.
+    kwargs = {"density": 1.0, "momentum_masking": "none"}
+    dense, _ = _momentum_fit(mirrored2, "dense", 4)
+    model, opt = _momentum_fit(mirrored2, "auto", 3, modes="dense", **kwargs)
+    inner_m = [m.numpy() for m in opt.inner_optimizer.momentums]
+    lr = float(tf.convert_to_tensor(opt.inner_optimizer.learning_rate).numpy())
+    opt.exchange_chooser.set_modes(["allgather"] * len(opt.exchange_chooser.groups))
+    for u, m in zip(opt.velocities, inner_m):  # summed over replicas: the momentum
+        np.testing.assert_allclose(u.numpy(), -m / lr, rtol=1e-5, atol=1e-7)
+    assert all(np.abs(m.numpy()).sum() == 0 for m in opt.inner_optimizer.momentums)
+    model.make_train_function(force=True)
+    model.fit(X, (X[:, 0] > 0).astype("int32"), batch_size=16, epochs=1, verbose=0,
+              shuffle=False)
+    for a, b in zip(model.get_weights(), dense.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # and back: the first dense step sends m u + grad, the velocities empty into the SGD
+    back, opt = _momentum_fit(mirrored2, "auto", 3, modes="allgather", remodes="dense",
+                              **kwargs)
+    assert all(np.abs(u.numpy()).sum() == 0 for u in opt.velocities)
+    for a, b in zip(back.get_weights(), dense.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

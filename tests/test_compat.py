@@ -79,6 +79,27 @@ def test_disable_gradient_all_reduce_names_an_unsupported_optimizer():
         _compat.after_gradient_all_reduce(Plain(), list)
 
 
+def test_momentum_only_where_applies_momentum_to_the_chosen_variables():
+    a, b = keras.Variable(np.zeros((2,), "float32")), keras.Variable(np.zeros((2,), "float32"))
+    opt = keras.optimizers.SGD(1.0, momentum=0.5)
+    opt.build([a, b])
+    _compat.momentum_only_where(opt, lambda i: i == 0)
+
+    @tf.function
+    def step():
+        opt.apply([tf.ones((2,)), tf.ones((2,))], [a, b])
+
+    step()
+    step()
+    # a: momentum SGD, -1 then -(0.5 + 1); b: plain SGD, -1 twice, its slot untouched
+    np.testing.assert_allclose(a.numpy(), [-2.5, -2.5])
+    np.testing.assert_allclose(b.numpy(), [-2.0, -2.0])
+    assert opt.momentum == 0.5
+    np.testing.assert_array_equal(opt.momentums[1].numpy(), [0.0, 0.0])
+    with pytest.raises(RuntimeError, match="update_step"):
+        _compat.momentum_only_where(object(), lambda v: True)
+
+
 def test_no_automatic_dependency_tracking_keeps_variables_out_of_the_tracker():
     """Variables assigned (in a list) inside the decorated method are not collected by
     Keras' attribute tracker; the optimizer relies on it for its per-replica state lists."""

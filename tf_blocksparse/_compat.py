@@ -61,6 +61,32 @@ def after_gradient_all_reduce(optimizer: Any, fn: Callable[[list], list]) -> Non
     optimizer._all_reduce_sum_gradients = reduce_then
 
 
+def momentum_only_where(optimizer: Any, keep: Callable[[int], bool]) -> None:
+    """Makes a Keras ``SGD`` with momentum use it only for the variables ``keep`` accepts
+    (by index in the optimizer's variable list).
+
+    Keras' ``SGD.update_step`` reads ``self.momentum`` per variable (when it is traced);
+    the others take the plain ``variable -= lr * gradient`` step and their momentum slot is
+    left untouched.  Build the optimizer with its momentum set, so every slot exists.
+    """
+    if not callable(getattr(optimizer, "update_step", None)) or \
+            not hasattr(optimizer, "momentum"):
+        raise RuntimeError(
+            f"{type(optimizer).__name__} has no `update_step` / `momentum`: this Keras "
+            f"version is not supported (tested: Keras {TESTED['keras']})")
+    update_step = type(optimizer).update_step
+    momentum = optimizer.momentum
+
+    def selective_update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        optimizer.momentum = momentum if keep(optimizer._get_variable_index(variable)) else 0.0
+        try:
+            return update_step(optimizer, gradient, variable, learning_rate)
+        finally:
+            optimizer.momentum = momentum
+
+    optimizer.update_step = selective_update_step
+
+
 def no_automatic_dependency_tracking(fn: Callable) -> Callable:
     """Keras' decorator that stops attribute assignments in ``fn`` from being tracked (lists
     assigned in an optimizer's ``build`` stay plain lists)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -76,6 +76,8 @@ class ExchangeChooser:
       groups: Variable indices of every fusion group.
       compressors: Per group, the compressor of its variables.
       dtypes: Per group, its variables' dtypes.
+      on_change: Called eagerly with ``(old_modes, new_modes)`` whenever the modes change
+        (the owner moves state that lives in a different place per mode).
 
     Attributes:
       modes: Per group, the mode in use.
@@ -84,8 +86,10 @@ class ExchangeChooser:
 
     def __init__(self, policy: AutoExchange, strategy: tf.distribute.Strategy,
                  groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
-                 dtypes: Sequence[Sequence[Any]]):
+                 dtypes: Sequence[Sequence[Any]],
+                 on_change: Callable[[list[str], list[str]], None] | None = None):
         self.policy = policy
+        self.on_change = on_change
         self.strategy = strategy
         self.groups = [list(g) for g in groups]
         self.compressors = list(compressors)
@@ -104,7 +108,9 @@ class ExchangeChooser:
         if len(modes) != len(self.groups) or any(m not in CANDIDATES for m in modes):
             raise ValueError(f"`modes` must hold one of {CANDIDATES} per group "
                              f"({len(self.groups)}), got {list(modes)!r}")
-        self.modes, self.decision = list(modes), decision
+        old, self.modes, self.decision = self.modes, list(modes), decision
+        if self.on_change is not None and old != self.modes:
+            self.on_change(old, self.modes)
 
     def decide(self, compute_s: float = 0.0, remeasure: bool = True,
                hysteresis: bool = True) -> ExchangeDecision | None:

@@ -129,6 +129,16 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self.clipping = rules
         self._model = model
         _compat.disable_gradient_all_reduce(inner)
+        # exchange="auto" with local momentum m on an SGD: a dense group keeps its momentum
+        # in the inner SGD (the dense exchange's math, bit for bit), a sparse group in the
+        # per-replica velocities; the inner SGD applies m only to dense groups' variables.
+        self._inner_momentum = bool(
+            compression.auto and momentum is not None and momentum.active
+            and isinstance(inner, keras.optimizers.SGD) and not inner.nesterov
+            and not inner.momentum)
+        if self._inner_momentum:
+            inner.momentum = momentum.momentum
+            _compat.momentum_only_where(inner, self._in_dense_group)
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
         self._backward_ranks: list[int] | None = None
@@ -168,7 +178,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             groups = self._group_indices()
             self._chooser = auto_exchange.ExchangeChooser(
                 self.exchange, self._distribution_strategy, groups,
-                [self._compressor(g) for g in groups], self._group_dtypes(groups))
+                [self._compressor(g) for g in groups], self._group_dtypes(groups),
+                on_change=self._move_momentum if self._inner_momentum else None)
             if auto_exchange.can_measure():
                 self._chooser.decide()
 
@@ -265,6 +276,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             groups, modes = merge_runs(
                 groups, [self._chooser.mode_of(idx[g[0]]) for g in groups],
                 lambda a, b: a + b)
+            # dense runs in variable order: all-dense packs exactly as exchange="dense"
+            groups = [sorted(g) if m == "dense" else g for g, m in zip(groups, modes)]
         result = step.run_grouped_exchange(
             modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
             grads, state, groups, self.metric)
@@ -273,6 +286,9 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         if velocities:  # factor masking: what a replica sent leaves its velocity too
             kept = self.momentum_policy.mask(grads, self._compressor(idx).layouts,
                                              result.sent_ids, state)
+            if self._inner_momentum:  # sent whole: a dense group's momentum is the inner's
+                kept = [tf.zeros_like(u) if self._in_dense_group(i) else u
+                        for u, i in zip(kept, idx)]
             commits += list(zip(velocities, kept))
         if commits:
             step.when_finite(self.nonfinite, result.finite,
@@ -281,6 +297,37 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
                          result.finite)
         seconds = step.clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
         step.record_stats(self._stats, result, seconds)
+
+    def _in_dense_group(self, variable: int) -> bool:
+        """Whether variable index ``variable`` is exchanged densely by the automatic
+        exchange (then the inner SGD applies its momentum)."""
+        return self._chooser is not None and self._chooser.mode_of(variable) == "dense"
+
+    def _move_momentum(self, old: Sequence[str], new: Sequence[str]) -> None:
+        """Moves the momentum of groups leaving the dense exchange out of the inner SGD.
+
+        Keras keeps ``M = -lr * v`` (``v`` the summed momentum); every replica gets
+        ``u = -M / (lr * replicas)`` (their sum is ``v``) and ``M`` becomes zero, so the
+        sparse steps continue the same momentum.  A group entering the dense exchange needs
+        nothing here: its first dense step sends ``m u + grad + residual`` and zeroes both.
+        """
+        moving = [i for g, a, b in zip(self._chooser.groups, old, new)
+                  if a == "dense" and b != "dense" for i in g]
+        if not moving or not self._velocities:
+            return
+        inner, strategy = self.inner_optimizer, self._distribution_strategy
+        lr = float(tf.convert_to_tensor(inner.learning_rate).numpy())
+        scale = 0.0 if lr == 0.0 else -1.0 / (lr * strategy.num_replicas_in_sync)
+
+        def to_velocities() -> None:
+            for i in moving:
+                m = tf.convert_to_tensor(inner.momentums[i])
+                self._velocities[i].value.assign(tf.cast(scale, m.dtype) * m)
+
+        with strategy.scope():
+            strategy.run(to_velocities)
+            for i in moving:
+                inner.momentums[i].assign(tf.zeros_like(inner.momentums[i]))
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
@@ -373,12 +420,18 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         policy = self.momentum_policy
         return {
             "name": self.name,
-            "inner": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "inner": self._inner_config(),
             "compression": self.compression.get_config(),
             "momentum_correction": None if policy is None else policy.get_config(),
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
             "nonfinite": self.nonfinite, "fusion_buffer_bytes": self.fusion_buffer_bytes,
         }
+
+    def _inner_config(self) -> dict[str, Any]:
+        config = keras.saving.serialize_keras_object(self.inner_optimizer)
+        if self._inner_momentum:  # the factor is the policy's; restored from there
+            config["config"]["momentum"] = 0.0
+        return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None
