@@ -13,7 +13,6 @@ calls them together: they run collectives):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,21 +21,11 @@ import tensorflow as tf
 
 from tf_blocksparse import codec
 from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.timing import median_seconds
 
 __all__ = ["agree_mean", "from_first_replica", "time_collectives", "time_compression"]
 
 _SUM = tf.distribute.ReduceOp.SUM
-
-
-def _median_call_s(fn: Callable[[], Any], calls: int = 3) -> float:
-    """Median wall seconds of ``fn()`` after one untimed call (tracing, first run)."""
-    fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 _PROBES: dict[tuple[int, int, int, str], Callable[[], Any]] = {}
@@ -85,8 +74,8 @@ def time_collectives(strategy: tf.distribute.Strategy, sizes: Sequence[int], rep
     sums, gathers = [], []
     for nbytes in sizes:
         n = max(1, int(nbytes) // 4)
-        sums.append(_median_call_s(_chain(strategy, n, repeats, "sum")) / repeats)
-        gathers.append(_median_call_s(_chain(strategy, n, repeats, "gather")) / repeats)
+        sums.append(median_seconds(_chain(strategy, n, repeats, "sum"), 3) / repeats)
+        gathers.append(median_seconds(_chain(strategy, n, repeats, "gather"), 3) / repeats)
     return sums, gathers
 
 
@@ -115,7 +104,7 @@ def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequenc
                 s.assign(r)
             return tf.size(codec.pack([tf.cast(v, tf.float32) for v in payload.values]))
 
-        out.append(_median_call_s(lambda fn=compress: fn().numpy(), repeats))
+        out.append(median_seconds(lambda fn=compress: fn().numpy(), repeats))
     return out
 
 

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +39,7 @@ import tensorflow as tf
 
 from tf_blocksparse import _compat
 from tf_blocksparse.planning import LayerProfile, ModelProfile
+from tf_blocksparse.timing import median_seconds
 
 __all__ = ["LayerMeasurement", "chain_layers", "measure_layers", "profile_model"]
 
@@ -158,19 +157,6 @@ def _with_training(layer: keras.layers.Layer, kwargs: dict) -> dict:
     return kwargs
 
 
-def _median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    tf.test.experimental.sync_devices()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        tf.test.experimental.sync_devices()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _time_layer(layer: keras.layers.Layer, args: list, kwargs: dict, warmup: int,
                 repeats: int, subtract_dispatch: bool) -> tuple[float, float]:
     """Median forward and backward seconds of one layer call on real inputs.
@@ -204,9 +190,11 @@ def _time_layer(layer: keras.layers.Layer, args: list, kwargs: dict, warmup: int
     def dispatch(flat_in: list) -> list:
         return [tf.identity(flat_in[i]) for i in wrt[:1]]
 
-    base = _median_seconds(lambda: dispatch(flat), warmup, repeats) if subtract_dispatch else 0.0
-    fwd = _median_seconds(lambda: forward(flat), warmup, repeats)
-    both = _median_seconds(lambda: forward_backward(flat), warmup, repeats)
+    sync = tf.test.experimental.sync_devices
+    base = median_seconds(lambda: dispatch(flat), repeats, warmup, sync) \
+        if subtract_dispatch else 0.0
+    fwd = median_seconds(lambda: forward(flat), repeats, warmup, sync)
+    both = median_seconds(lambda: forward_backward(flat), repeats, warmup, sync)
     return max(fwd - base, 0.0), max(both - fwd, 0.0)
 
 

@@ -1,0 +1,28 @@
+"""The package's one timer, against a fake clock."""
+
+import pytest
+
+from tf_blocksparse import timing
+
+
+def test_median_seconds_warms_up_syncs_and_takes_the_median(monkeypatch):
+    now = [0.0]
+    durations = iter([100.0, 50.0, 3.0, 1.0, 2.0])  # two warm-up calls, then three timed
+    events = []
+
+    def fn():
+        events.append("call")
+        now[0] += next(durations)
+
+    def sync():
+        events.append("sync")
+        now[0] += 0.5  # inside the timing
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    assert timing.median_seconds(fn, repeats=3, warmup=2, sync=sync) == 2.5
+    assert events == ["call", "call", "sync"] + ["call", "sync"] * 3
+    assert timing.median_seconds(lambda: None, repeats=1, warmup=0) == 0.0
+    with pytest.raises(ValueError, match="repeats"):
+        timing.median_seconds(fn, repeats=0)
+    with pytest.raises(ValueError, match="warmup"):
+        timing.median_seconds(fn, repeats=1, warmup=-1)
