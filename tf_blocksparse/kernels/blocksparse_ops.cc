@@ -154,8 +154,30 @@ struct Simd {
   }
 };
 
-// Sum of Term over n values a[i] (+ b[i], written to out[i] when b is given).  Loads come
-// before stores in every group of kLanes, so out may alias a or b.
+// The group of kLanes values a[i..i+kLanes) (+ b[..], streamed to out[..] when kAdd) into
+// v.  All loads come before any store, so out may alias a or b; without kAdd, b and out are
+// not touched (they may be null).
+template <typename T, bool kAdd>
+inline void LoadGroup(const T* a, const T* b, T* out, int64 i, typename Simd<T>::V* v) {
+  using S = Simd<T>;
+  for (int j = 0; j < S::kVectors; ++j) {
+    v[j] = S::Load(a + i + j * S::kWidth);
+    if (kAdd) v[j] += S::Load(b + i + j * S::kWidth);
+  }
+  if (kAdd) {
+    for (int j = 0; j < S::kVectors; ++j) S::Stream(out + i + j * S::kWidth, v[j]);
+  }
+}
+
+// The scalar version for the tail: a[i] (+ b[i], written to out[i] when kAdd).
+template <typename T, bool kAdd>
+inline T LoadOne(const T* a, const T* b, T* out, int64 i) {
+  const T v = kAdd ? a[i] + b[i] : a[i];
+  if (kAdd) out[i] = v;
+  return v;
+}
+
+// Sum of Term over n values a[i] (+ b[i], written to out[i] when kAdd); out may alias a or b.
 template <typename T, bool kL2, bool kAdd>
 inline T RunSum(const T* a, const T* b, T* out, int64 n) {
   using S = Simd<T>;
@@ -163,21 +185,14 @@ inline T RunSum(const T* a, const T* b, T* out, int64 n) {
   int64 i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     typename S::V v[S::kVectors];
-    for (int j = 0; j < S::kVectors; ++j) {
-      v[j] = S::Load(a + i + j * S::kWidth);
-      if (kAdd) v[j] += S::Load(b + i + j * S::kWidth);
-    }
-    if (kAdd) {
-      for (int j = 0; j < S::kVectors; ++j) S::Stream(out + i + j * S::kWidth, v[j]);
-    }
+    LoadGroup<T, kAdd>(a, b, out, i, v);
     for (int j = 0; j < S::kVectors; ++j) lane[j] += S::template Term<kL2>(v[j]);
   }
   T l[kLanes];
   std::memcpy(l, lane, sizeof(l));
   T tail = T(0);
   for (; i < n; ++i) {
-    const T v = kAdd ? a[i] + b[i] : a[i];
-    if (kAdd) out[i] = v;
+    const T v = LoadOne<T, kAdd>(a, b, out, i);
     tail += Term<T, kL2>(v);
   }
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])) + tail;
@@ -190,21 +205,14 @@ inline void ColumnSums(const T* a, const T* b, T* out, T* partial, int64 n) {
   int64 i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     typename S::V v[S::kVectors];
-    for (int j = 0; j < S::kVectors; ++j) {
-      v[j] = S::Load(a + i + j * S::kWidth);
-      if (kAdd) v[j] += S::Load(b + i + j * S::kWidth);
-    }
-    if (kAdd) {
-      for (int j = 0; j < S::kVectors; ++j) S::Stream(out + i + j * S::kWidth, v[j]);
-    }
+    LoadGroup<T, kAdd>(a, b, out, i, v);
     for (int j = 0; j < S::kVectors; ++j) {
       T* p = partial + i + j * S::kWidth;
       S::Store(p, S::Load(p) + S::template Term<kL2>(v[j]));
     }
   }
   for (; i < n; ++i) {
-    const T v = kAdd ? a[i] + b[i] : a[i];
-    if (kAdd) out[i] = v;
+    const T v = LoadOne<T, kAdd>(a, b, out, i);
     partial[i] += Term<T, kL2>(v);
   }
 }
