@@ -232,3 +232,49 @@ def test_momentum_moves_with_a_group_between_dense_and_sparse(mirrored2):
     assert all(np.abs(u.numpy()).sum() == 0 for u in opt.velocities)
     for a, b in zip(back.get_weights(), dense.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_switch_to_dense_applies_residuals_once_and_moves_the_momentum(mirrored2):
+    # density 0.1 with factor masking: residuals and velocities both hold mass at the switch
+    model, opt = _momentum_fit(mirrored2, "auto", 2, modes="allgather", density=0.1,
+                               dense_below=0)
+    weights = [w.numpy() for w in model.trainable_variables]
+    residuals = [r.numpy() for r in opt.residuals]  # summed over the replicas
+    velocities = [u.numpy() for u in opt.velocities]
+    assert all(np.abs(r).sum() > 0 for r in residuals)
+    lr = float(tf.convert_to_tensor(opt.inner_optimizer.learning_rate).numpy())
+    opt.exchange_chooser.set_modes(["dense"] * len(opt.exchange_chooser.groups))
+    for w, w0, r in zip(model.trainable_variables, weights, residuals):
+        np.testing.assert_allclose(w.numpy(), w0 - lr * r, rtol=1e-6, atol=1e-7)
+    for m, u in zip(opt.inner_optimizer.momentums, velocities):  # M = -lr v, Keras' form
+        np.testing.assert_allclose(m.numpy(), -lr * u, rtol=1e-6, atol=1e-8)
+    assert all(np.abs(r.numpy()).sum() == 0 for r in opt.residuals)
+    assert all(np.abs(u.numpy()).sum() == 0 for u in opt.velocities)
+
+
+def test_a_flushed_dense_group_reads_and_writes_no_per_replica_state(mirrored2):
+    model, opt = _momentum_fit(mirrored2, "auto", 1, modes="allgather", remodes="dense",
+                               density=0.1)
+
+    def mark() -> None:  # a value no step would write: a dense step must leave it alone
+        for r in opt.residuals:
+            r.value.assign(tf.ones_like(r.value))
+
+    mirrored2.run(mark)
+    before = [w.numpy() for w in model.trainable_variables]
+    model.fit(X, (X[:, 0] > 0).astype("int32"), batch_size=16, epochs=1, verbose=0,
+              shuffle=False)
+    assert all(np.all(r.numpy() == 2.0) for r in opt.residuals)  # 2 replicas, untouched
+    assert any(not np.array_equal(w.numpy(), b)
+               for w, b in zip(model.trainable_variables, before))
+
+
+def test_an_inner_optimizer_that_needs_the_residual_as_a_gradient_flushes_in_the_step(
+        mirrored2):
+    with mirrored2.scope():
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.Adam(0.01), exchange="auto")
+        clipped = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, clipnorm=1.0),
+                                            exchange="auto")
+        plain = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="auto")
+    assert not opt._flush_at_switch and not clipped._flush_at_switch
+    assert plain._flush_at_switch

@@ -35,7 +35,7 @@ import tensorflow as tf
 from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import auto_exchange
+from tf_blocksparse.keras import auto_exchange, mode_switch
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.momentum import MomentumCorrection
@@ -136,6 +136,10 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             compression.auto and momentum is not None and momentum.active
             and isinstance(inner, keras.optimizers.SGD) and not inner.nesterov
             and not inner.momentum)
+        # a group entering the dense exchange is flushed at the switch where the inner
+        # optimizer allows it: then a dense group carries no per-replica state in the step
+        self._flush_at_switch = compression.auto and mode_switch.flushes_at_switch(
+            inner, self._inner_momentum)
         if self._inner_momentum:
             inner.momentum = momentum.momentum
             _compat.momentum_only_where(inner, self._in_dense_group)
@@ -179,7 +183,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             self._chooser = auto_exchange.ExchangeChooser(
                 self.exchange, self._distribution_strategy, groups,
                 [self._compressor(g) for g in groups], self._group_dtypes(groups),
-                on_change=self._move_momentum if self._inner_momentum else None)
+                on_change=self._on_modes_change)
             if auto_exchange.can_measure():
                 self._chooser.decide()
 
@@ -263,14 +267,22 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
                 ctx.num_replicas_in_sync, [self._unit_axes[i] for i in idx])
             commits += [(s, n) for vs, ns in zip(clip_vars, new) for s, n in zip(vs, ns)]
         velocities = [self._velocities[i] for i in idx] if self._velocities else []
-        if velocities:  # DGC momentum correction: u = m u + g is what gets exchanged
-            grads = self.momentum_policy.accumulate(
-                [tf.convert_to_tensor(u.value) for u in velocities], grads)
+        # positions with per-replica state (all but dense groups flushed at their switch)
+        live = [p for p, i in enumerate(idx) if not self._stateless(i)]
+        if velocities and live:  # DGC momentum correction: u = m u + g is what gets exchanged
+            grads = list(grads)
+            us = self.momentum_policy.accumulate(
+                [tf.convert_to_tensor(velocities[p].value) for p in live],
+                [grads[p] for p in live])
+            for p, u in zip(live, us):
+                grads[p] = u
         groups = self._fusion_groups(grads, idx)
         state = None
-        if self.exchange != "dense":
+        if self.exchange != "dense" and live:
             residuals = [self._residuals[i] for i in idx]
-            state = [tf.convert_to_tensor(r.value) for r in residuals]
+            live_set = set(live)
+            state = [tf.convert_to_tensor(r.value) if p in live_set else None
+                     for p, r in enumerate(residuals)]
         modes: Any = self.exchange
         if self._chooser:  # adjacent groups of one mode share one set of collectives
             groups, modes = merge_runs(
@@ -281,15 +293,18 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         result = step.run_grouped_exchange(
             modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
             grads, state, groups, self.metric)
-        if state is not None:
-            commits += list(zip(residuals, result.residuals))
-        if velocities:  # factor masking: what a replica sent leaves its velocity too
-            kept = self.momentum_policy.mask(grads, self._compressor(idx).layouts,
-                                             result.sent_ids, state)
+        if state is not None and result.residuals is not None:
+            commits += [(r, new) for r, new in zip(residuals, result.residuals)
+                        if new is not None]
+        if velocities and live:  # factor masking: what a replica sent leaves its velocity too
+            sent = None if result.sent_ids is None else [result.sent_ids[p] for p in live]
+            kept = self.momentum_policy.mask(
+                [grads[p] for p in live], self._compressor([idx[p] for p in live]).layouts,
+                sent, None if state is None else [state[p] for p in live])
             if self._inner_momentum:  # sent whole: a dense group's momentum is the inner's
-                kept = [tf.zeros_like(u) if self._in_dense_group(i) else u
-                        for u, i in zip(kept, idx)]
-            commits += list(zip(velocities, kept))
+                kept = [tf.zeros_like(u) if self._in_dense_group(idx[p]) else u
+                        for u, p in zip(kept, live)]
+            commits += [(velocities[p], u) for p, u in zip(live, kept)]
         if commits:
             step.when_finite(self.nonfinite, result.finite,
                              lambda: tf.group([v.value.assign(s) for v, s in commits]))
@@ -303,31 +318,24 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         exchange (then the inner SGD applies its momentum)."""
         return self._chooser is not None and self._chooser.mode_of(variable) == "dense"
 
-    def _move_momentum(self, old: Sequence[str], new: Sequence[str]) -> None:
-        """Moves the momentum of groups leaving the dense exchange out of the inner SGD.
+    def _stateless(self, variable: int) -> bool:
+        """Whether variable index ``variable`` is in a dense group flushed at its switch
+        (its step reads and writes no residual or velocity)."""
+        return self._flush_at_switch and self._in_dense_group(variable)
 
-        Keras keeps ``M = -lr * v`` (``v`` the summed momentum); every replica gets
-        ``u = -M / (lr * replicas)`` (their sum is ``v``) and ``M`` becomes zero, so the
-        sparse steps continue the same momentum.  A group entering the dense exchange needs
-        nothing here: its first dense step sends ``m u + grad + residual`` and zeroes both.
-        """
-        moving = [i for g, a, b in zip(self._chooser.groups, old, new)
-                  if a == "dense" and b != "dense" for i in g]
-        if not moving or not self._velocities:
-            return
-        inner, strategy = self.inner_optimizer, self._distribution_strategy
-        lr = float(tf.convert_to_tensor(inner.learning_rate).numpy())
-        scale = 0.0 if lr == 0.0 else -1.0 / (lr * strategy.num_replicas_in_sync)
-
-        def to_velocities() -> None:
-            for i in moving:
-                m = tf.convert_to_tensor(inner.momentums[i])
-                self._velocities[i].value.assign(tf.cast(scale, m.dtype) * m)
-
-        with strategy.scope():
-            strategy.run(to_velocities)
-            for i in moving:
-                inner.momentums[i].assign(tf.zeros_like(inner.momentums[i]))
+    def _on_modes_change(self, old: Sequence[str], new: Sequence[str]) -> None:
+        """Moves per-group state between its dense and sparse homes (eagerly, every worker
+        together; see :mod:`~tf_blocksparse.keras.mode_switch`)."""
+        groups, strategy = self._chooser.groups, self._distribution_strategy
+        leaving = [i for g, a, b in zip(groups, old, new) if a == "dense" != b for i in g]
+        entering = [i for g, a, b in zip(groups, old, new) if a != "dense" == b for i in g]
+        if self._inner_momentum and self._velocities:
+            mode_switch.to_velocities(strategy, self.inner_optimizer, self._velocities,
+                                      leaving)
+        if self._flush_at_switch:
+            mode_switch.flush_to_weights(
+                strategy, self.inner_optimizer, self._trainable_variables, self._residuals,
+                self._velocities, entering, self._inner_momentum)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""

@@ -105,7 +105,7 @@ def run_grouped_exchange(mode: str | Sequence[str], ctx: tf.distribute.ReplicaCo
       make_comp: Builds the compressor for a group from its positions in ``grads``.
       grads: Per variable local gradients [*shape].
       state: Per variable residuals, or ``None`` for ``"dense"`` (a dense group with
-        residuals flushes them).
+        residuals flushes them; one whose entries are all ``None`` carries none).
       groups: Positions in ``grads``; every position exactly once.
       metric: ``"l1"`` or ``"l2"`` (to combine the residual norms).
     """
@@ -119,6 +119,8 @@ def run_grouped_exchange(mode: str | Sequence[str], ctx: tf.distribute.ReplicaCo
         raise ValueError(f"got {len(modes)} modes for {len(groups)} groups")
     for group, group_mode in zip(groups, modes):
         sub_state = None if state is None else [state[i] for i in group]
+        if sub_state is not None and all(s is None for s in sub_state):
+            sub_state = None  # a dense group that carries no state
         r = run_exchange(group_mode, ctx, make_comp(group), [grads[i] for i in group],
                          sub_state)
         parts.append(r)
