@@ -39,11 +39,19 @@ def main(out_dir: str, exchange: str, dense_below: int = 0) -> None:
     auto = tfbs.AutoExchangeCallback()
     hist = model.fit(ds, epochs=4, verbose=0, callbacks=[auto])
     metrics = opt.block_sparse_metrics()  # a collective: every worker reads it
+    flushed = None
+    if opt.exchange_chooser is not None:  # forced switches both ways move the state
+        chooser = opt.exchange_chooser   # (collectives on every worker)
+        for mode in ("allgather", "dense"):
+            chooser.set_modes([mode] * len(chooser.groups))
+            model.make_train_function(force=True)
+            model.fit(ds, epochs=1, verbose=0)
+        flushed = float(sum(np.abs(r.numpy()).sum() for r in opt.residuals))
     decisions = [[step, list(d.modes)] for step, d in auto.decisions]
     np.savez(os.path.join(out_dir, f"weights_{task}.npz"), *model.get_weights())
     with open(os.path.join(out_dir, f"history_{task}.json"), "w") as f:
         json.dump({"loss": hist.history["loss"], "metrics": metrics, "decisions": decisions,
-                   "replicas": strategy.num_replicas_in_sync}, f)
+                   "flushed_residuals": flushed, "replicas": strategy.num_replicas_in_sync}, f)
 
 
 if __name__ == "__main__":

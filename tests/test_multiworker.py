@@ -44,7 +44,8 @@ def test_two_process_fit_trains_and_stays_in_sync(tmp_path, exchange, dense_belo
 
 def test_two_process_auto_exchange_decides_the_same_everywhere(tmp_path):
     """exchange="auto" under MWMS: the build-time probe and two re-decisions run collectives
-    on both workers, which take the same decisions and stay in sync."""
+    on both workers, which take the same decisions and stay in sync, also through forced
+    switches to sparse and back to dense (the state moves with collectives)."""
     _run_cluster(tmp_path, "auto")
     w0, w1 = (np.load(tmp_path / f"weights_{i}.npz") for i in range(2))
     for key in w0.files:
@@ -56,5 +57,6 @@ def test_two_process_auto_exchange_decides_the_same_everywhere(tmp_path):
     assert all(m in ("dense", "allgather", "shared") for _, ms in h0["decisions"]
                for m in ms)
     assert len(h0["decisions"][0][1]) >= 2  # the fusion buffer makes several groups
+    assert h0["flushed_residuals"] == 0.0  # the last switch (to dense) flushed every one
     for key in ("auto_sum_latency_ms", "auto_compute_ms", "auto_predicted_step_ms"):
         assert h0["metrics"][key] == h1["metrics"][key], key
