@@ -94,17 +94,20 @@ def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequenc
             continue
         grads = [tf.constant(rng.standard_normal(lay.shape), tf.as_dtype(dt))
                  for lay, dt in zip(comp.layouts, types)]
-        state = [tf.Variable(tf.zeros_like(g)) for g in grads]
+        state = [tf.zeros_like(g) for g in grads]
 
+        # state in and out as tensors: no variables (under a strategy's scope they would be
+        # mirrored, and the probe would time the strategy's bookkeeping)
         @tf.function(autograph=False)
-        def compress(comp: BlockTopK = comp, grads: list = grads, state: list = state
-                     ) -> tf.Tensor:
-            payload, new = comp.compress(grads, [s.read_value() for s in state])
-            for s, r in zip(state, new):
-                s.assign(r)
-            return tf.size(codec.pack([tf.cast(v, tf.float32) for v in payload.values]))
+        def compress(grads: list, state: list, comp: BlockTopK = comp) -> tuple[Any, Any]:
+            payload, new = comp.compress(grads, state)
+            return new, tf.size(codec.pack([tf.cast(v, tf.float32) for v in payload.values]))
 
-        out.append(median_seconds(lambda fn=compress: fn().numpy(), repeats))
+        def run(fn: Any = compress, grads: list = grads, state: list = state) -> Any:
+            new, size = fn(grads, state)
+            return size.numpy(), [t.shape for t in new]
+
+        out.append(median_seconds(run, repeats))
     return out
 
 

@@ -182,10 +182,10 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             groups = self._group_indices()
             self._chooser = auto_exchange.ExchangeChooser(
                 self.exchange, self._distribution_strategy, groups,
-                [self._compressor(g) for g in groups], self._group_dtypes(groups),
-                on_change=self._on_modes_change)
+                [self._compressor(g) for g in groups], self._group_dtypes(groups))
             if auto_exchange.can_measure():
-                self._chooser.decide()
+                self._chooser.decide()  # the state is still empty: nothing to move
+            self._chooser.on_change = self._on_modes_change
 
     def _per_replica_variable(self, v: Any, shape: tuple[int, ...], dtype: str, prefix: str
                               ) -> keras.Variable:
