@@ -69,6 +69,24 @@ def test_convergence_cost_can_tip_the_choice():
     assert AutoExchange(convergence_cost=1.0).decide(link, [g], 0.2).modes == ("dense",)
 
 
+def test_convergence_cost_per_mode_weighs_allgather_against_shared():
+    # shared's step is 10% shorter, but with fewer blocks per step it needs more steps
+    link = LinkCost(0.0, 1e-9, 0.0, 1.1e-9)
+    g = GroupCost(dense_bytes=400_000_000, id_bytes=40_000, value_bytes=20_000_000,
+                  score_bytes=400_000)
+    per_mode = AutoExchange(convergence_cost={"allgather": 0.5, "shared": 0.8})
+    assert per_mode.decide(link, [g], 0.01).modes == ("allgather",)
+    assert AutoExchange(convergence_cost=0.5).decide(link, [g], 0.01).modes == ("shared",)
+    assert per_mode == AutoExchange() and hash(per_mode) == hash(AutoExchange())
+    assert per_mode.convergence_cost_of("shared") == 0.8
+    assert per_mode.convergence_cost_of("dense") == 0.0
+    one = AutoExchange(convergence_cost={"shared": 1.0})  # the other keeps its default
+    assert (one.convergence_cost_of("allgather"), one.convergence_cost_of("shared")) == \
+        (0.5, 1.0)
+    assert AutoExchange.from_config(one.get_config()) == one
+    assert one.get_config()["convergence_cost"] == {"allgather": 0.5, "shared": 1.0}
+
+
 def test_candidates_and_hysteresis():
     assert AutoExchange(candidates=("dense",)).decide(SLOW, [BIG]).modes == ("dense",)
     assert AutoExchange(candidates=("shared",)).decide(FREE, [BIG]).modes == ("shared",)
@@ -81,6 +99,8 @@ def test_candidates_and_hysteresis():
 @pytest.mark.parametrize("kwargs,name", [
     ({"candidates": ("dense", "sparse")}, "candidates"), ({"candidates": ()}, "candidates"),
     ({"candidates": "dense"}, "candidates"), ({"convergence_cost": -1}, "convergence_cost"),
+    ({"convergence_cost": {"dense": 0.1}}, "convergence_cost"),
+    ({"convergence_cost": {"shared": -0.1}}, "convergence_cost\\['shared'\\]"),
     ({"probe_bytes": (1024,)}, "probe_bytes"), ({"probe_bytes": (2, 1024)}, "probe_bytes"),
     ({"probe_repeats": 0}, "probe_repeats"), ({"warmup_steps": 0}, "warmup_steps"),
     ({"remeasure_steps": -1}, "remeasure_steps"), ({"hysteresis": 1.0}, "hysteresis"),
