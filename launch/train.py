@@ -132,8 +132,10 @@ def run(argv_flags=FLAGS) -> dict:
         callbacks.append(cb.dump_restored(f.dump_restored, index))
     if f.fail_at_step >= 0 and index == f.fail_worker:
         callbacks.append(cb.fail_at(f.fail_at_step))
+    auto = None
     if f.exchange == "auto" and f.compression != "dense":  # re-decides with step times
-        callbacks.append(tfbs.AutoExchangeCallback())
+        auto = tfbs.AutoExchangeCallback()
+        callbacks.append(auto)
     if f.density_warmup and f.compression != "dense":
         callbacks.append(tfbs.DensityWarmup([float(d) for d in f.density_warmup]))
     if f.stop_at_accuracy:
@@ -179,6 +181,10 @@ def run(argv_flags=FLAGS) -> dict:
         "exchange_s_per_step": m["exchange_s_total"] / max(1, int(opt.iterations.numpy())),
         "compress_s_per_step": opt.compression_seconds(),
         "auto_modes": None if decision is None else list(decision.modes),
+        # the build-time choice (step 0) and each re-decision: modes and measured inputs
+        "auto_decisions": None if auto is None else [
+            {"step": s, "modes": list(d.modes), **d.summary()}
+            for s, d in [(0, auto.initial)] * (auto.initial is not None) + auto.decisions],
         "replicas": strategy.num_replicas_in_sync, "dataset": arrays.name,
         "history": {k: [float(v) for v in vals] for k, vals in hist.history.items()},
         "train_s_per_epoch": clock.train_s,

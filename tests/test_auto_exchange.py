@@ -96,6 +96,7 @@ def test_fit_measures_decides_and_reports(mirrored2):
     decision = opt.exchange_decision
     assert decision is not None and len(decision.modes) >= 2
     assert [step for step, _ in callback.decisions] == [4, 8, 12]
+    assert callback.initial is not None and callback.initial.compute_s == 0  # build time
     assert decision.compute_s > 0 and decision.link.sum_latency_s >= 0
     m = opt.block_sparse_metrics()
     for key in ("auto_sparse_groups", "auto_dense_groups", "auto_sum_latency_ms",

@@ -179,6 +179,22 @@ def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
     assert sent[0] > sent[1] == m["payload_bytes_per_step"], sent
 
 
+def test_auto_exchange_run_records_every_decision(tmp_path):
+    """--exchange=auto: the record holds the build-time choice (step 0) and the re-decision
+    after the warm-up, each with its modes and measured inputs."""
+    rc = run_local_cluster([*TRAIN, "--compression=block", "--density=0.1", "--exchange=auto",
+                            "--fusion_buffer_bytes=4096", "--epochs=2", "--steps_per_epoch=12",
+                            f"--model_dir={tmp_path}"], 2, env=ENV, cwd=ROOT, timeout_s=300)
+    assert rc == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    steps = [d["step"] for d in m["auto_decisions"]]
+    assert steps == [0, 20], steps  # AutoExchange's warmup_steps
+    first, last = m["auto_decisions"]
+    assert first["auto_compute_ms"] == 0 and last["auto_compute_ms"] > 0
+    assert last["modes"] == m["auto_modes"] and len(last["modes"]) >= 2
+    assert last["auto_sparse_groups"] + last["auto_dense_groups"] == len(last["modes"])
+
+
 def test_one_failing_worker_fails_the_run_quickly(tmp_path, capsys):
     rc = run_local_cluster([*TRAIN, "--epochs=50", "--fail_at_step=3", "--fail_worker=1",
                             f"--model_dir={tmp_path}"], 2, env=ENV, timeout_s=300, grace_s=3)

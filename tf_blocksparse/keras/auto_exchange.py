@@ -177,6 +177,10 @@ class AutoExchangeCallback(keras.callbacks.Callback):
     so every worker takes part in the measurements.  When it changed, the train function is
     re-traced.  Add it to ``callbacks=`` with an optimizer built with ``exchange="auto"``;
     with any other exchange it does nothing.
+
+    Attributes:
+      initial: The decision in use when training began (the build-time one), or ``None``.
+      decisions: ``(step, decision)`` of every re-decision since.
     """
 
     def __init__(self) -> None:
@@ -187,6 +191,7 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         self._walls: list[float] = []
         self._window_start: tuple[float, float] | None = None
         self.decisions: list[tuple[int, ExchangeDecision]] = []
+        self.initial: ExchangeDecision | None = None
 
     def _opt(self) -> Any:
         from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
@@ -204,6 +209,8 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         if opt is not None:
             self._next = opt.exchange.warmup_steps
             self._window_start = None
+            if self.initial is None:
+                self.initial = opt.exchange_decision
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self._t0 = time.perf_counter()
