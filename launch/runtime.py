@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from tf_blocksparse import timing
 
 
 def logical_cpus(count: int, skip_on_gpu: bool = False) -> None:
@@ -67,16 +68,13 @@ def time_call(fn: Callable[[], Any], sync: Callable[[], Any] | None = None) -> f
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,
                    sync: Callable[[], Any] | None = None) -> float:
-    """Median of ``repeats`` timed calls (:func:`time_call`) after ``warmup`` untimed ones.
+    """Median of ``repeats`` timed calls after ``warmup`` untimed ones, each call's result
+    fetched (:func:`fetch`): the library's timer (:func:`tf_blocksparse.timing.median_seconds`).
 
     Raises:
         ValueError: ``repeats`` < 1 or ``warmup`` < 0.
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need `repeats` >= 1 and `warmup` >= 0, got {repeats}, {warmup}")
-    for _ in range(warmup):
-        fetch(fn())
-    return statistics.median(time_call(fn, sync) for _ in range(repeats))
+    return timing.median_seconds(lambda: fetch(fn()), repeats, warmup, sync)
 
 
 def interleaved_seconds(fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 0

@@ -87,6 +87,17 @@ def test_convergence_cost_per_mode_weighs_allgather_against_shared():
     assert one.get_config()["convergence_cost"] == {"allgather": 0.5, "shared": 1.0}
 
 
+def test_link_fit_takes_separate_gather_sizes():
+    link = LinkCost.fit([1000, 5000, 9000], [0.002, 0.006, 0.010], [0.001, 0.003],
+                        gather_sizes=[100, 300])
+    assert link.sum_latency_s == pytest.approx(0.001)
+    assert link.sum_s_per_byte == pytest.approx(1e-6)
+    assert link.gather_latency_s == pytest.approx(0.0, abs=1e-12)
+    assert link.gather_s_per_byte == pytest.approx(1e-5)
+    with pytest.raises(ValueError, match="gather_sizes"):
+        LinkCost.fit([1, 2], [1.0, 2.0], [1.0], gather_sizes=[1])
+
+
 def test_candidates_and_hysteresis():
     assert AutoExchange(candidates=("dense",)).decide(SLOW, [BIG]).modes == ("dense",)
     assert AutoExchange(candidates=("shared",)).decide(FREE, [BIG]).modes == ("shared",)
@@ -102,7 +113,8 @@ def test_candidates_and_hysteresis():
     ({"convergence_cost": {"dense": 0.1}}, "convergence_cost"),
     ({"convergence_cost": {"shared": -0.1}}, "convergence_cost\\['shared'\\]"),
     ({"probe_bytes": (1024,)}, "probe_bytes"), ({"probe_bytes": (2, 1024)}, "probe_bytes"),
-    ({"probe_repeats": 0}, "probe_repeats"), ({"warmup_steps": 0}, "warmup_steps"),
+    ({"probe_repeats": 0}, "probe_repeats"), ({"probe_seconds": -1.0}, "probe_seconds"),
+    ({"warmup_steps": 0}, "warmup_steps"),
     ({"remeasure_steps": -1}, "remeasure_steps"), ({"hysteresis": 1.0}, "hysteresis"),
 ])
 def test_bad_policy_arguments_are_named(kwargs, name):

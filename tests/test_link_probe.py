@@ -37,3 +37,11 @@ def test_collective_probes_and_agreement(mirrored2):
         assert all(np.isfinite(s) and s > 0 for s in sums + gathers)
         assert link_probe.agree_mean(mirrored2, [1.0, 3.0]) == [1.0, 3.0]
         assert link_probe.from_first_replica(mirrored2, [2, 0, 1]) == [2, 0, 1]
+
+
+def test_probes_grow_until_the_time_or_the_cap(mirrored2):
+    with mirrored2.scope():
+        sizes, times = link_probe.grown_probes(mirrored2, [64, 256], 1, "sum", 10.0, 5000)
+        assert sizes == [64, 256, 1024, 4096, 5000] and len(times) == 5  # capped at 5000
+        sizes, _ = link_probe.grown_probes(mirrored2, [64, 256], 1, "gather", 0.0, 5000)
+        assert sizes == [64, 256]  # every probe already took >= 0 s

@@ -23,7 +23,8 @@ from tf_blocksparse import codec
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.timing import median_seconds
 
-__all__ = ["agree_mean", "from_first_replica", "time_collectives", "time_compression"]
+__all__ = ["agree_mean", "from_first_replica", "grown_probes", "time_collective",
+           "time_collectives", "time_compression"]
 
 _SUM = tf.distribute.ReduceOp.SUM
 
@@ -60,23 +61,51 @@ def _make_chain(strategy: tf.distribute.Strategy, elements: int, repeats: int, k
     return lambda: [t.numpy() for t in strategy.experimental_local_results(probe())]
 
 
-def time_collectives(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int
-                     ) -> tuple[list[float], list[float]]:
-    """Seconds of one all-reduce and of one all-gather per size (bytes per replica).
+def time_collective(strategy: tf.distribute.Strategy, nbytes: int, repeats: int, kind: str
+                    ) -> float:
+    """Seconds of one all-reduce (``kind="sum"``) or all-gather (``"gather"``) of ``nbytes``
+    per replica.
 
-    Each probe runs ``repeats`` collectives back to back in one function, so the per-call
+    The probe runs ``repeats`` collectives back to back in one function, so the per-call
     dispatch cost is shared; the median of three calls is taken.  Not agreed across workers
     (see :func:`agree_mean`).
+    """
+    if kind not in ("sum", "gather"):
+        raise ValueError(f"`kind` must be 'sum' or 'gather', got {kind!r}")
+    n = max(1, int(nbytes) // 4)
+    return median_seconds(_chain(strategy, n, repeats, kind), 3) / repeats
+
+
+def time_collectives(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int
+                     ) -> tuple[list[float], list[float]]:
+    """:func:`time_collective` of both kinds per size (bytes per replica).
 
     Returns:
       ``(sum_s, gather_s)``, one entry per size.
     """
-    sums, gathers = [], []
-    for nbytes in sizes:
-        n = max(1, int(nbytes) // 4)
-        sums.append(median_seconds(_chain(strategy, n, repeats, "sum"), 3) / repeats)
-        gathers.append(median_seconds(_chain(strategy, n, repeats, "gather"), 3) / repeats)
+    sums = [time_collective(strategy, s, repeats, "sum") for s in sizes]
+    gathers = [time_collective(strategy, s, repeats, "gather") for s in sizes]
     return sums, gathers
+
+
+def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int,
+                 kind: str, until_s: float, cap_bytes: int) -> tuple[list[int], list[float]]:
+    """Times ``kind`` at ``sizes``, then at 4x the largest size again and again while one
+    collective (every worker's mean: all workers grow alike) took less than ``until_s`` and
+    the size is below ``cap_bytes`` (the last size is capped at it).
+
+    Returns:
+      The sizes timed and their seconds (this worker's own figures).
+    """
+    sizes = list(sizes)
+    times = [time_collective(strategy, s, repeats, kind) for s in sizes]
+    last = agree_mean(strategy, times[-1:])[0]
+    while last < until_s and sizes[-1] < cap_bytes:
+        sizes.append(min(int(cap_bytes), 4 * sizes[-1]))
+        # one collective per call: at these sizes the dispatch cost is noise
+        times.append(time_collective(strategy, sizes[-1], 1, kind))
+        last = agree_mean(strategy, times[-1:])[0]
+    return sizes, times
 
 
 def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequence[Any]],

@@ -152,17 +152,23 @@ class ExchangeChooser:
 
     def _measure(self, compute_s: float) -> tuple[LinkCost, list[GroupCost], float]:
         """Times collectives and compression; every worker's figures averaged."""
-        sizes = list(self.policy.probe_bytes)
-        sum_s, gather_s = link_probe.time_collectives(self.strategy, sizes,
-                                                      self.policy.probe_repeats)
+        policy, strategy = self.policy, self.strategy
+        sizes = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
+        # all-reduces up to every group's dense bytes at once, all-gathers up to their ids
+        # and values: the largest buffers a decision could put on the link
+        sum_sizes, sum_s = link_probe.grown_probes(
+            strategy, policy.probe_bytes, policy.probe_repeats, "sum", policy.probe_seconds,
+            sum(g.dense_bytes for g in sizes))
+        gather_sizes, gather_s = link_probe.grown_probes(
+            strategy, policy.probe_bytes, policy.probe_repeats, "gather",
+            policy.probe_seconds, sum(g.id_bytes + g.value_bytes for g in sizes))
         compress_s = link_probe.time_compression(self.compressors, self.dtypes,
-                                                 self.policy.probe_repeats)
-        agreed = link_probe.agree_mean(self.strategy,
-                                       [*sum_s, *gather_s, *compress_s, compute_s])
-        n = len(sizes)
-        link = LinkCost.fit(sizes, agreed[:n], agreed[n:2 * n])
+                                                 policy.probe_repeats)
+        agreed = link_probe.agree_mean(strategy, [*sum_s, *gather_s, *compress_s, compute_s])
+        n, m = len(sum_sizes), len(gather_sizes)
+        link = LinkCost.fit(sum_sizes, agreed[:n], agreed[n:n + m], gather_sizes)
         costs = [group_cost(c, d, t)
-                 for c, d, t in zip(self.compressors, self.dtypes, agreed[2 * n:-1])]
+                 for c, d, t in zip(self.compressors, self.dtypes, agreed[n + m:-1])]
         return link, costs, agreed[-1]
 
 

@@ -87,18 +87,21 @@ class LinkCost:
             _number(f.name, getattr(self, f.name))
 
     @classmethod
-    def fit(cls, sizes: Sequence[int], sum_s: Sequence[float], gather_s: Sequence[float]
-            ) -> LinkCost:
-        """Least-squares lines through the probes (``sizes[i]`` bytes took ``sum_s[i]`` /
-        ``gather_s[i]`` seconds); negative intercepts and slopes are clamped to 0.
+    def fit(cls, sizes: Sequence[int], sum_s: Sequence[float], gather_s: Sequence[float],
+            gather_sizes: Sequence[int] | None = None) -> LinkCost:
+        """Least-squares lines through the probes (``sizes[i]`` bytes took ``sum_s[i]``
+        seconds, ``gather_sizes[i]`` (default ``sizes``) took ``gather_s[i]``); negative
+        intercepts and slopes are clamped to 0.
 
         Raises:
           ValueError: Fewer than two distinct sizes, or mismatched lengths.
         """
-        if len(sizes) != len(sum_s) or len(sizes) != len(gather_s) or len(set(sizes)) < 2:
-            raise ValueError("`sizes` needs at least two distinct sizes, one time per size "
-                             f"and kind; got sizes={list(sizes)!r}")
-        return cls(*_line(sizes, sum_s), *_line(sizes, gather_s))
+        gather_sizes = sizes if gather_sizes is None else gather_sizes
+        for name, xs, ys in (("sizes", sizes, sum_s), ("gather_sizes", gather_sizes, gather_s)):
+            if len(xs) != len(ys) or len(set(xs)) < 2:
+                raise ValueError(f"`{name}` needs at least two distinct sizes and one time "
+                                 f"per size; got {list(xs)!r} and {len(ys)} times")
+        return cls(*_line(sizes, sum_s), *_line(gather_sizes, gather_s))
 
     def sum_seconds(self, nbytes: float) -> float:
         """One all-reduce of ``nbytes`` (0 for an empty buffer: no collective runs)."""
@@ -259,6 +262,10 @@ class AutoExchange:
       probe_bytes: Buffer sizes (bytes, two or more distinct) the collectives are timed
         with.
       probe_repeats: Collectives per timed probe (>= 1).
+      probe_seconds: Beyond ``probe_bytes``, probes grow 4x at a time until one collective
+        takes this long (or the size reaches all the bytes the groups could send at once), so
+        the per-byte cost is timed where the link's bandwidth shows, not its burst allowance
+        and buffers (>= 0; 0: ``probe_bytes`` only).
       warmup_steps: Steps after which the first decision with a measured compute time is
         taken (by ``AutoExchangeCallback``).
       remeasure_steps: Steps between later re-measurements (0: never).
@@ -273,6 +280,7 @@ class AutoExchange:
     convergence_cost: Any = tuple(_CONVERGENCE_COST.items())
     probe_bytes: tuple[int, ...] = (16 * 1024, 256 * 1024)
     probe_repeats: int = 3
+    probe_seconds: float = 0.03
     warmup_steps: int = 20
     remeasure_steps: int = 500
     hysteresis: float = 0.05
@@ -307,6 +315,7 @@ class AutoExchange:
                              f"got {sizes!r}")
         object.__setattr__(self, "probe_bytes", tuple(sorted(sizes)))
         _count("probe_repeats", self.probe_repeats, 1)
+        _number("probe_seconds", self.probe_seconds)
         _count("warmup_steps", self.warmup_steps, 1)
         _count("remeasure_steps", self.remeasure_steps, 0)
         if _number("hysteresis", self.hysteresis) >= 1:
