@@ -45,3 +45,12 @@ def test_probes_grow_until_the_time_or_the_cap(mirrored2):
         assert sizes == [64, 256, 1024, 4096, 5000] and len(times) == 5  # capped at 5000
         sizes, _ = link_probe.grown_probes(mirrored2, [64, 256], 1, "gather", 0.0, 5000)
         assert sizes == [64, 256]  # every probe already took >= 0 s
+
+
+def test_a_re_measurement_reuses_the_traced_probes(mirrored2):
+    comps, dtypes, cache = [_comp((64, 32))], [["float32"]], {}
+    with mirrored2.scope():
+        link_probe.time_compression(comps, dtypes, repeats=1, cache=cache)
+        (probe,) = cache.values()
+        link_probe.time_compression(comps, dtypes, repeats=1, cache=cache)
+        assert list(cache.values()) == [probe]

@@ -73,7 +73,8 @@ def time_collective(strategy: tf.distribute.Strategy, nbytes: int, repeats: int,
     if kind not in ("sum", "gather"):
         raise ValueError(f"`kind` must be 'sum' or 'gather', got {kind!r}")
     n = max(1, int(nbytes) // 4)
-    return median_seconds(_chain(strategy, n, repeats, kind), 3) / repeats
+    traced = (id(strategy), n, repeats, kind) in _PROBES  # a re-measurement: no warm-up
+    return median_seconds(_chain(strategy, n, repeats, kind), 3, 0 if traced else 1) / repeats
 
 
 def time_collectives(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int
@@ -90,14 +91,16 @@ def time_collectives(strategy: tf.distribute.Strategy, sizes: Sequence[int], rep
 
 def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int,
                  kind: str, until_s: float, cap_bytes: int) -> tuple[list[int], list[float]]:
-    """Times ``kind`` at ``sizes``, then at 4x the largest size again and again while one
-    collective (every worker's mean: all workers grow alike) took less than ``until_s`` and
-    the size is below ``cap_bytes`` (the last size is capped at it).
+    """Times ``kind`` at ``sizes`` (capped at ``cap_bytes`` while two distinct sizes remain),
+    then at 4x the largest size again and again while one collective (every worker's mean:
+    all workers grow alike) took less than ``until_s`` and the size is below ``cap_bytes``
+    (the last size is capped at it).
 
     Returns:
       The sizes timed and their seconds (this worker's own figures).
     """
-    sizes = list(sizes)
+    capped = sorted({min(int(s), int(cap_bytes)) for s in sizes})
+    sizes = capped if len(capped) >= 2 else list(sizes)  # nothing larger than needed
     times = [time_collective(strategy, s, repeats, kind) for s in sizes]
     last = agree_mean(strategy, times[-1:])[0]
     while last < until_s and sizes[-1] < cap_bytes:
@@ -109,11 +112,18 @@ def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats
 
 
 def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequence[Any]],
-                     repeats: int = 5) -> list[float]:
+                     repeats: int = 5, cache: dict | None = None) -> list[float]:
     """Seconds of one replica's compression of each group on the current device.
 
     Accumulate, score, select, residual update and packing of what is sent, as the
     exchange does them, on random gradients of the group's shapes (``None``: 0 s).
+
+    Args:
+      comps: Per group its compressor (``None``: nothing to compress).
+      dtypes: Per group its variables' dtypes.
+      repeats: Timed calls per group (the median is taken).
+      cache: Keeps each group's traced probe (keyed by the compressor's identity: keep the
+        compressors alive as long as the cache), so a re-measurement traces nothing.
     """
     rng = np.random.default_rng(0)
     out = []
@@ -121,23 +131,38 @@ def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequenc
         if comp is None or all(comp.whole):
             out.append(0.0)
             continue
-        grads = [tf.constant(rng.standard_normal(lay.shape), tf.as_dtype(dt))
-                 for lay, dt in zip(comp.layouts, types)]
-        state = [tf.zeros_like(g) for g in grads]
-
-        # state in and out as tensors: no variables (under a strategy's scope they would be
-        # mirrored, and the probe would time the strategy's bookkeeping)
-        @tf.function(autograph=False)
-        def compress(grads: list, state: list, comp: BlockTopK = comp) -> tuple[Any, Any]:
-            payload, new = comp.compress(grads, state)
-            return new, tf.size(codec.pack([tf.cast(v, tf.float32) for v in payload.values]))
-
-        def run(fn: Any = compress, grads: list = grads, state: list = state) -> Any:
-            new, size = fn(grads, state)
-            return size.numpy(), [t.shape for t in new]
-
-        out.append(median_seconds(run, repeats))
+        key = (id(comp), tuple(tf.as_dtype(dt).name for dt in types))
+        cached = None if cache is None else cache.get(key)
+        if cached is None:
+            grads = [tf.constant(rng.standard_normal(lay.shape), tf.as_dtype(dt))
+                     for lay, dt in zip(comp.layouts, types)]
+            state = [tf.zeros_like(g) for g in grads]
+            cached = _compress_probe(comp, grads, state)
+            if cache is not None:
+                cache[key] = cached
+            out.append(median_seconds(cached, repeats))
+        else:  # traced by an earlier measurement: no warm-up
+            out.append(median_seconds(cached, repeats, warmup=0))
     return out
+
+
+def _compress_probe(comp: BlockTopK, grads: list, state: list) -> Callable[[], Any]:
+    """A call of ``comp``'s compression of ``grads`` over ``state``, its results fetched.
+
+    State in and out as tensors, no variables: under a strategy's scope they would be
+    mirrored, and the probe would time the strategy's bookkeeping.
+    """
+
+    @tf.function(autograph=False)
+    def compress(grads: list, state: list) -> tuple[Any, Any]:
+        payload, new = comp.compress(grads, state)
+        return new, tf.size(codec.pack([tf.cast(v, tf.float32) for v in payload.values]))
+
+    def run() -> Any:
+        new, size = compress(grads, state)
+        return size.numpy(), [t.shape for t in new]
+
+    return run
 
 
 def agree_mean(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:

@@ -97,6 +97,7 @@ class ExchangeChooser:
         self._group_of = {i: gi for gi, g in enumerate(self.groups) for i in g}
         self.modes = [fallback_mode(policy, strategy.num_replicas_in_sync)] * len(self.groups)
         self.decision: ExchangeDecision | None = None
+        self._probe_cache: dict = {}  # traced compression probes, per group
 
     def mode_of(self, variable: int) -> str:
         """The mode of the group holding variable index ``variable``."""
@@ -163,7 +164,7 @@ class ExchangeChooser:
             strategy, policy.probe_bytes, policy.probe_repeats, "gather",
             policy.probe_seconds, sum(g.id_bytes + g.value_bytes for g in sizes))
         compress_s = link_probe.time_compression(self.compressors, self.dtypes,
-                                                 policy.probe_repeats)
+                                                 policy.probe_repeats, self._probe_cache)
         agreed = link_probe.agree_mean(strategy, [*sum_s, *gather_s, *compress_s, compute_s])
         n, m = len(sum_sizes), len(gather_sizes)
         link = LinkCost.fit(sum_sizes, agreed[:n], agreed[n:n + m], gather_sizes)
