@@ -12,8 +12,10 @@ from what is measured on the running cluster:
    is not known yet (taken as 0).
 2. :class:`AutoExchangeCallback` re-decides after ``warmup_steps`` and then every
    ``remeasure_steps`` steps with the measured step time, and has Keras re-trace the train
-   function when the choice changed.  Error feedback stays exact across a switch: a group
-   that turns dense sends ``grad + residual`` and zeroes its residual.
+   function when the choice changed.  Error feedback stays exact across a switch: the
+   owner's ``on_change`` moves the state (:mod:`~tf_blocksparse.keras.mode_switch`: a group
+   that turns dense has its residual applied once and its momentum moved into the inner
+   SGD; with other inner optimizers it sends ``grad + residual`` in its first dense step).
 
 Without a strategy (one replica) every group is dense and nothing is measured.  Built
 inside a ``tf.function`` (a custom loop), nothing can be measured either: every group uses
