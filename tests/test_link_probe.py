@@ -1,11 +1,14 @@
 """The automatic exchange's measurements on two real MirroredStrategy replicas."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tf_blocksparse import blocks
 from tf_blocksparse.distribute import link_probe
 from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.keras.auto_exchange import ExchangeChooser
+from tf_blocksparse.planning.exchange_cost import AutoExchange
 
 
 def _comp(*shapes, dense_below=0):
@@ -54,3 +57,15 @@ def test_a_re_measurement_reuses_the_traced_probes(mirrored2):
         (probe,) = cache.values()
         link_probe.time_compression(comps, dtypes, repeats=1, cache=cache)
         assert list(cache.values()) == [probe]
+
+
+@pytest.mark.parametrize("policy,timed", [
+    (AutoExchange(convergence_cost=100.0), False),  # sparse cannot win: nothing to time
+    (AutoExchange(candidates=("allgather",)), True)])
+def test_compression_is_timed_only_where_a_sparse_mode_could_win(mirrored2, policy, timed):
+    comps = [_comp((64, 32)), _comp((32, 16))]
+    chooser = ExchangeChooser(policy, mirrored2, [[0], [1]], comps, [["float32"]] * 2)
+    decision = chooser.decide(compute_s=0.01)
+    assert bool(chooser._probe_cache) == timed
+    assert (decision.compress_s > 0) == timed
+    assert all(g.compress_s == 0 for g in decision.groups) != timed

@@ -25,6 +25,7 @@ cross-replica context (then re-trace the step).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -100,6 +101,7 @@ class ExchangeChooser:
         self.modes = [fallback_mode(policy, strategy.num_replicas_in_sync)] * len(self.groups)
         self.decision: ExchangeDecision | None = None
         self._probe_cache: dict = {}  # traced compression probes, per group
+        self._compress_s: list[float] | None = None  # agreed, since the last link probes
 
     def mode_of(self, variable: int) -> str:
         """The mode of the group holding variable index ``variable``."""
@@ -137,10 +139,12 @@ class ExchangeChooser:
             return None
         with strategy.scope():
             if remeasure or self.decision is None:
-                link, costs, compute = self._measure(compute_s)
+                link, compute = self._measure_link(compute_s)
+                self._compress_s = None
             else:
-                link, costs = self.decision.link, list(self.decision.groups)
+                link = self.decision.link
                 compute = link_probe.agree_mean(strategy, [compute_s])[0]
+            costs = self._costs(link, compute)
             decision = policy.decide(link, costs, compute,
                                      self.modes if hysteresis else None)
             codes = link_probe.from_first_replica(strategy, [CANDIDATES.index(m)
@@ -153,8 +157,8 @@ class ExchangeChooser:
                   ",".join(modes), 1e3 * decision.step_s, 1e3 * decision.dense_step_s)
         return decision
 
-    def _measure(self, compute_s: float) -> tuple[LinkCost, list[GroupCost], float]:
-        """Times collectives and compression; every worker's figures averaged."""
+    def _measure_link(self, compute_s: float) -> tuple[LinkCost, float]:
+        """Times the collectives; every worker's figures (and ``compute_s``) averaged."""
         policy, strategy = self.policy, self.strategy
         sizes = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
         # all-reduces up to every group's dense bytes at once, all-gathers up to their ids
@@ -165,14 +169,22 @@ class ExchangeChooser:
         gather_sizes, gather_s = link_probe.grown_probes(
             strategy, policy.probe_bytes, policy.probe_repeats, "gather",
             policy.probe_seconds, sum(g.id_bytes + g.value_bytes for g in sizes))
-        compress_s = link_probe.time_compression(self.compressors, self.dtypes,
-                                                 policy.probe_repeats, self._probe_cache)
-        agreed = link_probe.agree_mean(strategy, [*sum_s, *gather_s, *compress_s, compute_s])
-        n, m = len(sum_sizes), len(gather_sizes)
-        link = LinkCost.fit(sum_sizes, agreed[:n], agreed[n:n + m], gather_sizes)
-        costs = [group_cost(c, d, t)
-                 for c, d, t in zip(self.compressors, self.dtypes, agreed[n + m:-1])]
-        return link, costs, agreed[-1]
+        agreed = link_probe.agree_mean(strategy, [*sum_s, *gather_s, compute_s])
+        n = len(sum_sizes)
+        link = LinkCost.fit(sum_sizes, agreed[:n], agreed[n:-1], gather_sizes)
+        return link, agreed[-1]
+
+    def _costs(self, link: LinkCost, compute_s: float) -> list[GroupCost]:
+        """Every group's costs, with its compression timed (every worker's mean) only if a
+        sparse mode could win with free compression: otherwise it stays 0 (not timed)."""
+        free = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
+        if self._compress_s is None:
+            if all(m == "dense" for m in self.policy.decide(link, free, compute_s).modes):
+                return free  # compression only makes the sparse modes dearer
+            local = link_probe.time_compression(self.compressors, self.dtypes,
+                                                self.policy.probe_repeats, self._probe_cache)
+            self._compress_s = link_probe.agree_mean(self.strategy, local)
+        return [dataclasses.replace(g, compress_s=t) for g, t in zip(free, self._compress_s)]
 
 
 class AutoExchangeCallback(keras.callbacks.Callback):
