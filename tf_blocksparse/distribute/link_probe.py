@@ -33,13 +33,15 @@ _PROBES: dict[tuple[int, int, int, str], Callable[[], Any]] = {}
 
 
 def _chain(strategy: tf.distribute.Strategy, elements: int, repeats: int, kind: str
-           ) -> Callable[[], Any]:
+           ) -> tuple[Callable[[], Any], bool]:
     """A function running ``repeats`` dependent collectives of ``elements`` float32s (traced
-    once per strategy and shape, so a re-measurement does not trace again)."""
+    once per strategy and shape, so a re-measurement does not trace again), and whether it
+    is new (not yet traced)."""
     key = (id(strategy), elements, repeats, kind)
-    if key not in _PROBES:
+    new = key not in _PROBES
+    if new:
         _PROBES[key] = _make_chain(strategy, elements, repeats, kind)
-    return _PROBES[key]
+    return _PROBES[key], new
 
 
 def _make_chain(strategy: tf.distribute.Strategy, elements: int, repeats: int, kind: str
@@ -72,9 +74,8 @@ def time_collective(strategy: tf.distribute.Strategy, nbytes: int, repeats: int,
     """
     if kind not in ("sum", "gather"):
         raise ValueError(f"`kind` must be 'sum' or 'gather', got {kind!r}")
-    n = max(1, int(nbytes) // 4)
-    traced = (id(strategy), n, repeats, kind) in _PROBES  # a re-measurement: no warm-up
-    return median_seconds(_chain(strategy, n, repeats, kind), 3, 0 if traced else 1) / repeats
+    probe, new = _chain(strategy, max(1, int(nbytes) // 4), repeats, kind)
+    return median_seconds(probe, 3, 1 if new else 0) / repeats  # warm-up: the trace
 
 
 def time_collectives(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int

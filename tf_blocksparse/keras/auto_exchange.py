@@ -101,6 +101,8 @@ class ExchangeChooser:
         self.modes = [fallback_mode(policy, strategy.num_replicas_in_sync)] * len(self.groups)
         self.decision: ExchangeDecision | None = None
         self._probe_cache: dict = {}  # traced compression probes, per group
+        # the groups' byte sizes per mode (static), without compression times
+        self._untimed = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
         self._compress_s: list[float] | None = None  # agreed, since the last link probes
 
     def mode_of(self, variable: int) -> str:
@@ -159,8 +161,7 @@ class ExchangeChooser:
 
     def _measure_link(self, compute_s: float) -> tuple[LinkCost, float]:
         """Times the collectives; every worker's figures (and ``compute_s``) averaged."""
-        policy, strategy = self.policy, self.strategy
-        sizes = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
+        policy, strategy, sizes = self.policy, self.strategy, self._untimed
         # all-reduces up to every group's dense bytes at once, all-gathers up to their ids
         # and values: the largest buffers a decision could put on the link
         sum_sizes, sum_s = link_probe.grown_probes(
@@ -177,10 +178,10 @@ class ExchangeChooser:
     def _costs(self, link: LinkCost, compute_s: float) -> list[GroupCost]:
         """Every group's costs, with its compression timed (every worker's mean) only if a
         sparse mode could win with free compression: otherwise it stays 0 (not timed)."""
-        free = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
+        free = self._untimed
         if self._compress_s is None:
             if all(m == "dense" for m in self.policy.decide(link, free, compute_s).modes):
-                return free  # compression only makes the sparse modes dearer
+                return list(free)  # compression only makes the sparse modes dearer
             local = link_probe.time_compression(self.compressors, self.dtypes,
                                                 self.policy.probe_repeats, self._probe_cache)
             self._compress_s = link_probe.agree_mean(self.strategy, local)

@@ -17,12 +17,13 @@ per-replica state, a collective), when the modes change:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
+
+from tf_blocksparse import codec
 
 __all__ = ["flushes_at_switch", "flush_to_weights", "to_velocities"]
 
@@ -54,16 +55,11 @@ def _summed(strategy: tf.distribute.Strategy, states: Sequence[keras.Variable]
         return []
 
     def local() -> tf.Tensor:
-        return tf.concat([tf.reshape(tf.cast(tf.convert_to_tensor(s.value), tf.float64), [-1])
-                          for s in states], 0)
+        return codec.pack([tf.cast(tf.convert_to_tensor(s.value), tf.float64) for s in states])
 
     flat = strategy.reduce("SUM", strategy.run(local), axis=None)
-    out, start = [], 0
-    for s in states:
-        n = math.prod(s.shape)
-        out.append(tf.cast(tf.reshape(flat[start:start + n], s.shape), s.dtype))
-        start += n
-    return out
+    return [tf.cast(t, s.dtype)
+            for t, s in zip(codec.unpack(flat, [tuple(s.shape) for s in states]), states)]
 
 
 def _zero(strategy: tf.distribute.Strategy, states: Sequence[keras.Variable]) -> None:
