@@ -43,7 +43,8 @@ def define_flags() -> None:
                          lower_bound=1)
     flags.register_validator("methods", lambda m: experiments.known_methods(m, CONV_METHODS),
                              f"--methods must be a non-empty list of {list(CONV_METHODS)}")
-    flags.register_validator("seeds", _int_list, "--seeds must be a list of integers")
+    flags.register_validator("seeds", experiments.seed_list,
+                             "--seeds must be a list of distinct integers >= 0")
     flags.register_validator("models", lambda m: experiments.known_methods(
         m, train_flags.MODELS), f"--models must be a non-empty list of {train_flags.MODELS}")
     flags.DEFINE_list("model_epochs", ["resnet20=5"], "Per-model MODEL=EPOCHS overriding "
@@ -58,13 +59,6 @@ def define_flags() -> None:
     flags.DEFINE_boolean("resume", False, "Keep the runs (model x method x seed) of "
                          "OUT/convergence.json with the same budget (and those of models not "
                          "in --models); run only the missing ones.")
-
-
-def _int_list(values: list[str]) -> bool:
-    try:
-        return bool(values) and all(str(int(v)) == v.strip() for v in values)
-    except ValueError:
-        return False
 
 
 def model_epochs(entries: list[str]) -> dict[str, int]:

@@ -17,11 +17,17 @@ Dense trains ``--epochs`` epochs (its final accuracy sets the target); the spars
 train ``--sparse_epoch_factor`` times as many (their steps are cheaper on a slow link), and
 their time to target is the training time until they first reach it.
 
-Writes ``OUT/time_to_accuracy.json`` (one record per model x bandwidth x method, plus the
-budget) and ``OUT/time_to_accuracy.png`` (accuracy vs training time and vs bytes).
+With several ``--seeds`` the runs go seed by seed (every method's seed 0, then seed 1, ...),
+so a slow spell of the machine falls on all methods alike; each seed's dense run sets that
+seed's target, and ``summary`` gives the mean, std, min and max over the seeds.
+
+Writes ``OUT/time_to_accuracy.json`` (``records``: one per model x bandwidth x method x seed;
+``summary``: one per model x bandwidth x method; the budget) and ``OUT/time_to_accuracy.png``
+(accuracy vs training time and vs bytes).
 
     python -m launch.bench_time_to_accuracy [--models=vgg_fc,resnet20]
         [--bandwidths_mbit=100,1000] [--epochs=6] [--steps_per_epoch=20] [--density=0.01]
+        [--seeds=0,1,2]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 
 from absl import app, flags
 
@@ -48,6 +55,10 @@ def define_flags() -> None:
     flags.DEFINE_float("latency_ms", 0.0, "One-way delay added on every shaped link (needs "
                        "the kernel's netem module).")
     flags.DEFINE_list("methods", list(TTA_METHODS), "Methods (dense first).")
+    flags.DEFINE_list("seeds", ["0"], "Seeds (initialisation and data order); every method "
+                      "runs every seed, seed by seed.")
+    flags.register_validator("seeds", experiments.seed_list,
+                             "--seeds must be a list of distinct integers >= 0")
     flags.DEFINE_integer("num_workers", 4, "Worker processes.", lower_bound=1)
     flags.DEFINE_float("density", 0.05, "Fraction kept by block and element top-k.")
     flags.register_validator("density", lambda d: 0.0 < d <= 1.0, "--density must be in (0, 1]")
@@ -151,7 +162,10 @@ def model_overrides(flag: str, entries: list[str], cast: type) -> dict[str, floa
 
 
 def summarise(records: list[dict], target_drop: float) -> list[dict]:
-    """Adds the time-to-accuracy figures to one model x bandwidth group (dense first)."""
+    """Adds the time-to-accuracy figures to the runs of one model x bandwidth group and one
+    seed (dense among them: its final accuracy sets the target)."""
+    if len({r.get("seed", 0) for r in records}) > 1:
+        raise ValueError("`records` must hold the runs of one seed")
     dense = next((r for r in records if r["method"] == "dense"), None)
     if dense is None:
         raise ValueError("`methods` must include dense (the target comes from it)")
@@ -162,6 +176,7 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
         t = experiments.time_to_target(r, target)
         out.append({
             "model": r["model"], "bandwidth_mbit": r["bandwidth_mbit"], "method": r["method"],
+            "seed": r.get("seed", 0),
             "target_accuracy": round(target, 4), "lr": r.get("flags", {}).get("lr"),
             "evaluation": "exact", "test_correct": r.get("test_correct"),
             "test_examples": r.get("test_examples"),
@@ -183,6 +198,94 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
     return out
 
 
+#: Per-seed figures of :func:`summarise` that :func:`aggregate` gives as spreads.
+SPREAD_FIELDS = ("speedup_vs_dense", "time_to_target_s", "final_accuracy", "s_per_step",
+                 "compute_s", "compression_s", "communication_s")
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per model x bandwidth x method of :func:`summarise`'s per-seed ``rows``: the
+    seeds, and per figure of :data:`SPREAD_FIELDS` its :func:`experiments.spread` over the
+    seeds where it exists (``speedup_vs_dense``: ``None`` where no seed reached the target;
+    ``reached`` counts the seeds that did)."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["model"], r["bandwidth_mbit"], r["method"])
+        out.setdefault(key, []).append(r)
+    summary = []
+    for (model, bw, method), runs in out.items():
+        runs = sorted(runs, key=lambda r: r.get("seed", 0))
+        first = runs[0]
+        summary.append({
+            "model": model, "bandwidth_mbit": bw, "method": method,
+            "seeds": [r.get("seed", 0) for r in runs],
+            "reached": sum(r["speedup_vs_dense"] is not None for r in runs),
+            **{k: experiments.spread([r.get(k) for r in runs]) for k in SPREAD_FIELDS},
+            "target_accuracy": experiments.spread([r["target_accuracy"] for r in runs]),
+            "bytes_per_step": first["bytes_per_step"],
+            "dense_bytes_per_step": first["dense_bytes_per_step"],
+            "evaluation": first.get("evaluation"), "lr": first.get("lr"),
+            "momentum_masking": first.get("momentum_masking"),
+            "auto_modes": [r.get("auto_modes") for r in runs]
+            if any(r.get("auto_modes") for r in runs) else None,
+        })
+    return summary
+
+
+def _train_flags(model: str, budget: dict, seed: int, method: str, target: float | None
+                 ) -> list[str]:
+    """``launch/train.py`` flags of one run (the method's own come from experiments)."""
+    f = FLAGS
+    out = [f"--model={model}", f"--dataset={f.dataset}",
+           f"--steps_per_epoch={budget['steps_per_epoch']}",
+           f"--batch_size={f.batch_size}", f"--train_samples={f.train_samples}",
+           f"--test_samples={f.test_samples}", f"--lr={budget['lr']}",
+           "--momentum=0.9", f"--seed={seed}"]
+    if method == "dense":
+        return [*out, f"--epochs={f.epochs}"]
+    out += [f"--epochs={f.epochs * f.sparse_epoch_factor}",
+            f"--momentum_masking={f.momentum_masking}",
+            f"--global_momentum={f.global_momentum}"]
+    if f.dense_below is not None:
+        out.append(f"--dense_below={f.dense_below}")
+    if f.early_stop and target is not None:
+        out += [f"--stop_at_accuracy={target}", f"--min_epochs={f.epochs}"]
+    return out
+
+
+def run_group(model: str, bw: float, budget: dict, methods: list[str], seeds: list[int],
+              kept: list[dict], rerun: list[str], on_run: Callable[[list[dict]], None]
+              ) -> list[dict] | None:
+    """The runs of one model x bandwidth group: ``kept`` ones plus, seed by seed, every
+    method a seed lacks (or in ``rerun``); ``on_run(runs so far)`` after every run; ``None``
+    when nothing was run."""
+    f = FLAGS
+    for r in kept:
+        r.setdefault("seed", 0)  # files from before --seeds
+    todo = [(seed, m) for seed in seeds for m in methods if m in rerun or
+            not any(r["method"] == m and r["seed"] == seed for r in kept)]
+    if not todo:
+        return None
+    runs = [r for r in kept if (r["seed"], r["method"]) not in set(todo)]
+    order = {m: i for i, m in enumerate(methods)}
+    for seed, method in todo:
+        target = next((max(r["test_accuracy"] - f.target_drop, 1e-6) for r in runs
+                       if r["method"] == "dense" and r["seed"] == seed), None)
+        rec = experiments.run_training(
+            method, _train_flags(model, budget, seed, method, target), f.num_workers,
+            f.density, bandwidth_mbit=bw, latency_ms=f.latency_ms, timeout_s=f.run_timeout_s)
+        rec.update(model=model, bandwidth_mbit=bw, seed=seed)
+        runs.append(rec)
+        print(json.dumps({"model": model, "bandwidth_mbit": bw, "method": method,
+                          "seed": seed, "final_accuracy": round(rec["test_accuracy"], 4),
+                          "train_s": rec["train_s_per_epoch"][-1],
+                          "s_per_step": steady_step_s(rec),
+                          "bytes_per_step": rec["payload_bytes_per_step"]}), flush=True)
+        runs.sort(key=lambda r: (r["seed"], order.get(r["method"], len(order))))
+        on_run(runs)
+    return runs
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -193,6 +296,7 @@ def main(argv: list[str]) -> None:
     lrs = model_overrides("model_lr", f.model_lr, float)
     steps = model_overrides("model_steps_per_epoch", f.model_steps_per_epoch, int)
     methods = ["dense"] + [m for m in f.methods if m != "dense"]
+    seeds = [int(s) for s in f.seeds]
     common = {"num_workers": f.num_workers, "epochs_dense": f.epochs,
               "epochs_sparse_max": f.epochs * f.sparse_epoch_factor,
               "early_stop": f.early_stop, "global_batch": f.batch_size,
@@ -201,10 +305,11 @@ def main(argv: list[str]) -> None:
               "momentum": 0.9, "global_momentum": f.global_momentum,
               "momentum_masking": f.momentum_masking, "dataset": f.dataset,
               "deterministic": True,
-              "rule": "decided before the run, the same for every method: seed 0; every "
-                      "method evaluated on the same test images after every epoch (each "
-                      "image counted once); target = dense's final accuracy minus "
-                      "target_drop; one momentum masking for every sparse method"}
+              "rule": "decided before the run, the same for every method: the same seeds, "
+                      "run seed by seed; every method evaluated on the same test images "
+                      "after every epoch (each image counted once); per seed, target = that "
+                      "seed's dense final accuracy minus target_drop; one momentum masking "
+                      "for every sparse method; summary = mean/std/min/max over the seeds"}
     if f.dense_below is not None:
         common["dense_below"] = f.dense_below
 
@@ -228,6 +333,7 @@ def main(argv: list[str]) -> None:
                 kept = [r for r in old["records"]
                         if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" == key]
                 for r in kept:  # files from before these fields: one lr, DGC masking
+                    r.setdefault("seed", 0)
                     r.setdefault("lr", budget["lr"])
                     r.setdefault("momentum_masking", None if r["method"] == "dense" else
                                  budget.get("momentum_masking", "all"))
@@ -235,65 +341,40 @@ def main(argv: list[str]) -> None:
                 if model not in f.models and model in old["budget"].get("per_model", {}):
                     doc["budget"]["per_model"][model] = old["budget"]["per_model"][model]
     os.makedirs(f.out, exist_ok=True)
+
+    def store(key: str, budget: dict, runs: list[dict]) -> None:
+        """Puts one group's runs and figures into ``doc`` and writes it (an interrupted bench
+        keeps every finished run)."""
+        records = [row for seed in sorted({r["seed"] for r in runs})
+                   for row in summarise([r for r in runs if r["seed"] == seed],
+                                        f.target_drop)]
+        for r in records:  # kept runs carry no flags: the group's budget says them
+            if r["lr"] is None:
+                r["lr"] = budget["lr"]
+            if r["momentum_masking"] is None and r["method"] != "dense":
+                r["momentum_masking"] = f.momentum_masking
+        doc["records"] = [r for r in doc["records"]
+                          if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" != key] + records
+        doc["runs"][key] = [experiments.slim(r) for r in runs]
+        doc["group_budgets"][key] = budget
+        doc["summary"] = aggregate(doc["records"])
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1)
+
     for model in f.models:
         budget = group_budget(model)
         for bw in [float(b) for b in f.bandwidths_mbit]:
             key = f"{model} @ {bw:g} Mbit/s"
-            kept = doc["runs"].get(key, [])
-            todo = [m for m in methods if m in f.rerun or
-                    not any(r["method"] == m for r in kept)]
-            if not todo:
+            ran = run_group(model, bw, budget, methods, seeds, doc["runs"].get(key, []),
+                            f.rerun, lambda runs, k=key, b=budget: store(k, b, runs))
+            if ran is None:
                 print(f"{key}: kept from {path} (same budget)", flush=True)
-                continue
-            runs = [r for r in kept if r["method"] not in todo]
-            target = next((max(r["test_accuracy"] - f.target_drop, 1e-6) for r in runs
-                           if r["method"] == "dense"), None)
-            for method in todo:
-                flags_ = [f"--model={model}", f"--dataset={f.dataset}",
-                          f"--steps_per_epoch={budget['steps_per_epoch']}",
-                          f"--batch_size={f.batch_size}", f"--train_samples={f.train_samples}",
-                          f"--test_samples={f.test_samples}", f"--lr={budget['lr']}",
-                          "--momentum=0.9", "--seed=0"]
-                if method == "dense":
-                    flags_.append(f"--epochs={f.epochs}")
-                else:
-                    flags_ += [f"--epochs={f.epochs * f.sparse_epoch_factor}",
-                               f"--momentum_masking={f.momentum_masking}",
-                               f"--global_momentum={f.global_momentum}"]
-                    if f.dense_below is not None:
-                        flags_.append(f"--dense_below={f.dense_below}")
-                    if f.early_stop:
-                        flags_ += [f"--stop_at_accuracy={target}", f"--min_epochs={f.epochs}"]
-                rec = experiments.run_training(
-                    method, flags_, f.num_workers, f.density,
-                    bandwidth_mbit=bw, latency_ms=f.latency_ms, timeout_s=f.run_timeout_s)
-                rec.update(model=model, bandwidth_mbit=bw)
-                if method == "dense":
-                    target = max(rec["test_accuracy"] - f.target_drop, 1e-6)
-                runs.append(rec)
-                print(json.dumps({"model": model, "bandwidth_mbit": bw, "method": method,
-                                  "final_accuracy": round(rec["test_accuracy"], 4),
-                                  "train_s": rec["train_s_per_epoch"][-1],
-                                  "s_per_step": steady_step_s(rec),
-                                  "bytes_per_step": rec["payload_bytes_per_step"]}), flush=True)
-            runs.sort(key=lambda r: methods.index(r["method"]) if r["method"] in methods
-                      else len(methods))
-            records = summarise(runs, f.target_drop)
-            for r in records:  # kept runs carry no flags: the group's budget says them
-                if r["lr"] is None:
-                    r["lr"] = budget["lr"]
-                if r["momentum_masking"] is None and r["method"] != "dense":
-                    r["momentum_masking"] = f.momentum_masking
-            doc["records"] = [r for r in doc["records"]
-                              if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" != key]
-            doc["records"] += records
-            doc["runs"][key] = [experiments.slim(r) for r in runs]
-            doc["group_budgets"][key] = budget
-            with open(path, "w") as fh:  # after every group: an interrupted bench keeps them
-                json.dump(doc, fh, indent=1)
+    doc["summary"] = aggregate(doc["records"])
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
     experiments.plot_curves(doc["runs"], os.path.join(f.out, "time_to_accuracy.png"),
                             f"{f.num_workers} workers, shaped links, density {f.density}")
-    print(json.dumps({k: v for k, v in doc.items() if k != "runs"}))
+    print(json.dumps({k: v for k, v in doc.items() if k not in ("runs", "records")}))
 
 
 if __name__ == "__main__":

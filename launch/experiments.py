@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -59,6 +60,27 @@ TIME_TO_ACCURACY_METHODS = ("dense", "block_allgather", "block_shared", "topk", 
 def known_methods(names: Sequence[str], allowed: Sequence[str]) -> bool:
     """Whether ``names`` is a non-empty list of ``allowed`` names (a flag validator)."""
     return bool(names) and all(n in allowed for n in names)
+
+
+def seed_list(values: Sequence[str]) -> bool:
+    """Whether ``values`` is a non-empty list of distinct integers >= 0 (a flag validator)."""
+    try:
+        seeds = [int(v) for v in values]
+    except ValueError:
+        return False
+    return bool(seeds) and min(seeds) >= 0 and len(set(seeds)) == len(seeds) and \
+        all(str(s) == v.strip() for s, v in zip(seeds, values))
+
+
+def spread(values: Sequence[float | None], digits: int = 4) -> dict | None:
+    """Mean, sample std, min, max and count of the values that are not ``None`` (``None``
+    when there are none); the std of a single value is 0."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return None
+    return {"mean": round(statistics.fmean(xs), digits),
+            "std": round(statistics.stdev(xs), digits) if len(xs) > 1 else 0.0,
+            "min": round(min(xs), digits), "max": round(max(xs), digits), "n": len(xs)}
 
 
 def method_flags(method: str, density: float) -> list[str]:
@@ -122,7 +144,8 @@ def slim(record: dict) -> dict:
             "test_examples", "steps",
             "steps_per_epoch", "epochs_trained", "payload_bytes_per_step",
             "dense_bytes_per_step", "train_s_per_epoch", "launcher_wall_s", "num_workers",
-            "exchange_s_per_step", "compress_s_per_step", "auto_modes", "auto_decisions")
+            "exchange_s_per_step", "compress_s_per_step", "auto_modes", "auto_decisions",
+            "seed")
     out = {k: record[k] for k in keep if k in record}
     out["history"] = {key: list(record["history"][key])
                       for key in ("val_accuracy", "payload_bytes") if key in record["history"]}
@@ -170,8 +193,9 @@ def plot_curves(groups: dict[str, list[dict]], path: str, title: str) -> None:
     for row, (name, records) in enumerate(groups.items()):
         for rec in records:
             t, mib, acc = curve(rec)
-            axes[row][0].plot(t, acc, marker="o", label=rec["method"])
-            axes[row][1].plot(mib, acc, marker="o", label=rec["method"])
+            label = rec["method"] + (f" (seed {rec['seed']})" if rec.get("seed") else "")
+            axes[row][0].plot(t, acc, marker="o", label=label)
+            axes[row][1].plot(mib, acc, marker="o", label=label)
         axes[row][0].set_xlabel("training seconds")
         axes[row][1].set_xlabel("cumulative MiB sent per worker")
         axes[row][1].set_xscale("log")

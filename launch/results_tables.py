@@ -35,39 +35,62 @@ def _fmt(value: float | None, spec: str, missing: str = "not reached") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _spread(value: dict | None, spec: str, missing: str = "not reached",
+            suffix: str = "") -> str:
+    """A :func:`launch.experiments.spread`: the value alone for one seed, else ``mean ±
+    std (min-max)``."""
+    if value is None:
+        return missing
+    if value["n"] == 1:
+        return format(value["mean"], spec) + suffix
+    return (f"{value['mean']:{spec}}{suffix} ± {value['std']:{spec}} "
+            f"({value['min']:{spec}}-{value['max']:{spec}})")
+
+
+def _tta_summary(doc: dict) -> list[dict]:
+    """The per-method summary over seeds (recomputed for files written before it)."""
+    from launch.bench_time_to_accuracy import aggregate
+
+    return doc.get("summary") or aggregate(doc["records"])
+
+
 def time_to_accuracy_table(doc: dict) -> str:
-    """One row per model x bandwidth x method (``time_to_accuracy.json``)."""
-    lines = ["| model | link | method | evaluation | lr | masking | final acc | target | "
-             "time to target s | s/step | bytes/step | vs dense bytes | speedup vs dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in doc["records"]:
+    """One row per model x bandwidth x method (``time_to_accuracy.json``), over its seeds."""
+    lines = ["| model | link | method | seeds | evaluation | lr | masking | final acc | "
+             "target | time to target s | s/step | bytes/step | vs dense bytes | "
+             "speedup vs dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in _tta_summary(doc):
         ratio = r["dense_bytes_per_step"] / r["bytes_per_step"]
-        speed = _fmt(r["speedup_vs_dense"], ".2f")
+        reached = "" if r["reached"] == len(r["seeds"]) else \
+            f" ({r['reached']} of {len(r['seeds'])} seeds reached)"
         lines.append(
             f"| {r['model']} | {r['bandwidth_mbit']:g} Mbit/s | {r['method']} | "
-            f"{r.get('evaluation', 'miscounted')} | "
+            f"{','.join(str(s) for s in r['seeds'])} | "
+            f"{r.get('evaluation') or 'miscounted'} | "
             f"{_fmt(r.get('lr'), 'g', '-')} | {r.get('momentum_masking') or '-'} | "
-            f"{r['final_accuracy']:.3f} | "
-            f"{r['target_accuracy']:.3f} | "
-            f"{_fmt(r['time_to_target_s'], '.0f')} | {_fmt(r.get('s_per_step'), '.3f', '-')} | "
+            f"{_spread(r['final_accuracy'], '.3f')} | {_spread(r['target_accuracy'], '.3f')} | "
+            f"{_spread(r['time_to_target_s'], '.0f')} | {_spread(r['s_per_step'], '.3f', '-')} | "
             f"{r['bytes_per_step']:,} | {ratio:.0f}x | "
-            f"{speed if speed == 'not reached' else speed + 'x'} |")
+            f"{_spread(r['speedup_vs_dense'], '.2f', suffix='x')}{reached} |")
     return "\n".join(lines)
 
 
 def step_breakdown_table(doc: dict) -> str:
     """Where a step's time goes, per model x bandwidth x method (``time_to_accuracy.json``
-    records that carry the optimizer wrapper's timings)."""
-    lines = ["| model | link | method | s/step | compute s | compression s | "
-             "communication s | modes per fusion group |", "|---|---|---|---|---|---|---|---|"]
-    for r in doc["records"]:
-        if "compute_s" not in r:
+    runs that carry the optimizer wrapper's timings), mean over the seeds."""
+    lines = ["| model | link | method | seeds | s/step | compute s | compression s | "
+             "communication s | modes per fusion group |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in _tta_summary(doc):
+        if r.get("compute_s") is None:
             continue
-        modes = ", ".join(r.get("auto_modes") or []) or "-"
+        modes = sorted({", ".join(m) for m in r.get("auto_modes") or [] if m})
         lines.append(
             f"| {r['model']} | {r['bandwidth_mbit']:g} Mbit/s | {r['method']} | "
-            f"{r['s_per_step']:.3f} | {r['compute_s']:.3f} | {r['compression_s']:.3f} | "
-            f"{r['communication_s']:.3f} | {modes} |")
+            f"{len(r['seeds'])} | {r['s_per_step']['mean']:.3f} | "
+            f"{r['compute_s']['mean']:.3f} | {r['compression_s']['mean']:.3f} | "
+            f"{r['communication_s']['mean']:.3f} | {'; '.join(modes) or '-'} |")
     return "\n".join(lines)
 
 

@@ -41,6 +41,39 @@ def test_time_to_target_and_speedup():
         bench_time_to_accuracy.summarise([block], 0.003)
 
 
+def test_time_to_accuracy_over_seeds():
+    rows = []
+    for seed, (dense_t, block_t) in enumerate([(30.0, 4.0), (30.0, 6.0), (24.0, None)]):
+        dense = {**_record("dense", [0.5, 0.7, 0.8], [10.0, 20.0, dense_t], payload=8000),
+                 "seed": seed}
+        block_accs = [0.6, 0.798, 0.81] if block_t else [0.6, 0.7, 0.75]
+        block = {**_record("block_allgather", block_accs, [2.0, block_t or 5.0, 7.0]),
+                 "seed": seed}
+        rows += bench_time_to_accuracy.summarise([dense, block], 0.003)
+    assert [r["seed"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    by = {r["method"]: r for r in bench_time_to_accuracy.aggregate(rows)}
+    assert by["dense"]["seeds"] == [0, 1, 2] and by["dense"]["reached"] == 3
+    assert by["dense"]["speedup_vs_dense"] == {"mean": 1.0, "std": 0.0, "min": 1.0,
+                                               "max": 1.0, "n": 3}
+    speed = by["block_allgather"]["speedup_vs_dense"]  # 7.5 and 5.0; seed 2 never reached
+    assert by["block_allgather"]["reached"] == 2 and speed["n"] == 2
+    assert speed["mean"] == 6.25 and speed["min"] == 5.0 and speed["max"] == 7.5
+    assert speed["std"] == pytest.approx(1.7678, abs=1e-4)
+    assert by["block_allgather"]["final_accuracy"]["n"] == 3
+    with pytest.raises(ValueError, match="one seed"):
+        bench_time_to_accuracy.summarise([{**dense, "seed": 0}, {**block, "seed": 1}], 0.003)
+
+
+def test_spread_and_seed_list():
+    assert experiments.spread([None, None]) is None
+    assert experiments.spread([2.0]) == {"mean": 2.0, "std": 0.0, "min": 2.0, "max": 2.0,
+                                         "n": 1}
+    assert experiments.spread([1.0, None, 3.0])["std"] == pytest.approx(1.4142, abs=1e-4)
+    assert experiments.seed_list(["0", "1", "2"])
+    for bad in ([], ["0", "0"], ["-1"], ["x"], ["1.5"]):
+        assert not experiments.seed_list(bad), bad
+
+
 def test_convergence_summary():
     recs = [_record("dense", [0.5, 0.8], [1.0, 2.0]), _record("dense", [0.6, 0.82], [1.0, 2.0])]
     row = bench_convergence.summarise("cnn_small", "dense", recs)
@@ -92,10 +125,14 @@ def test_time_to_accuracy_end_to_end_schema(tmp_path):
     cmd = [sys.executable, "-m", "launch.bench_time_to_accuracy",
            "--num_workers=2", "--dataset=digits", "--models=cnn_small", "--bandwidths_mbit=100",
            "--methods=dense,block_allgather", "--epochs=2", "--steps_per_epoch=5",
-           "--density=0.05", "--momentum_masking=waited", f"--out={tmp_path}"]
-    subprocess.run(cmd, check=True, timeout=600, cwd=ROOT, capture_output=True)
+           "--density=0.05", "--momentum_masking=waited", "--seeds=0,1", f"--out={tmp_path}"]
+    subprocess.run(cmd, check=True, timeout=900, cwd=ROOT, capture_output=True)
     doc = json.loads((tmp_path / "time_to_accuracy.json").read_text())
-    assert len(doc["records"]) == 2 and doc["budget"]["num_workers"] == 2
+    assert len(doc["records"]) == 4 and doc["budget"]["num_workers"] == 2
+    assert [(r["seed"], r["method"]) for r in doc["records"]] == [
+        (0, "dense"), (0, "block_allgather"), (1, "dense"), (1, "block_allgather")]
+    assert [(s["method"], s["seeds"]) for s in doc["summary"]] == [
+        ("dense", [0, 1]), ("block_allgather", [0, 1])]
     for r in doc["records"]:
         assert r["bandwidth_mbit"] == 100.0 and r["bytes_per_step"] > 0
         assert r["lr"] == 0.05
