@@ -77,17 +77,21 @@ def _number(value: Any) -> Any:
         return value
 
 
-def epoch_clock(timer: Callable[[], float] = time.perf_counter):
+def epoch_clock(timer: Callable[[], float] = time.perf_counter,
+                before_s: Callable[[], float] | None = None):
     """Callback recording, per epoch, the cumulative training seconds.
 
     Its ``train_s`` list is what time-to-accuracy is measured against: the time from the
-    start of each epoch to the end of its last training step (exchange included). Whatever
-    runs after the last step (an evaluation callback, a checkpoint whose per-replica state
-    is read through a collective, ``model.fit``'s own validation) is not counted, wherever
-    the clock sits in ``callbacks``.
+    start of each epoch to the end of its last training step (exchange included), plus
+    ``before_s()`` (read when training begins) in the first epoch: the seconds a method
+    spent before training on work it needs for training (the automatic exchange's
+    build-time measurements).  Whatever runs after the last step (an evaluation callback, a
+    checkpoint whose per-replica state is read through a collective, ``model.fit``'s own
+    validation) is not counted, wherever the clock sits in ``callbacks``.
 
     Args:
         timer: Seconds, monotonic (tests pass a fake one).
+        before_s: Seconds to count before the first epoch (``None``: none).
     """
     import keras
 
@@ -96,6 +100,10 @@ def epoch_clock(timer: Callable[[], float] = time.perf_counter):
             super().__init__()
             self.train_s: list[float] = []
             self._spent, self._start, self._last = 0.0, 0.0, None
+
+        def on_train_begin(self, logs=None):
+            if before_s is not None and not self.train_s:
+                self._spent = float(before_s())
 
         def on_epoch_begin(self, epoch, logs=None):
             self._start, self._last = timer(), None

@@ -120,8 +120,11 @@ def test_measure_exchange_needs_cross_replica_context(mirrored2):
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="auto")
         opt.build([var])  # eagerly in cross-replica context: measured
         assert opt.exchange_decision is not None
+        built_s = opt.exchange_chooser.measure_s  # the time measuring took is kept
+        assert built_s > 0
         decision = opt.measure_exchange(compute_s=0.01)
     assert decision.compute_s == pytest.approx(0.01)
+    assert opt.exchange_chooser.measure_s > built_s
 
     @tf.function
     def inside():

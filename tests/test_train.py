@@ -259,3 +259,28 @@ def test_epoch_clock_counts_training_steps_only():
             [Step(), clock, SlowEpochEnd()]
         model.fit(x, y, batch_size=4, epochs=2, callbacks=callbacks, verbose=0, shuffle=False)
         assert clock.train_s == [3.0, 6.0], order
+
+
+def test_epoch_clock_counts_the_work_before_training():
+    """A method's work before the first epoch (the automatic exchange's build-time
+    measurements) is training time: ``before_s`` is added to the first epoch, read once
+    training begins."""
+    import keras
+
+    from launch.callbacks import epoch_clock
+
+    now, measured = [0.0], [0.0]
+
+    class Step(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            now[0] += 1.0
+
+    x = np.zeros((8, 3), "float32")
+    y = np.zeros((8, 1), "float32")
+    clock = epoch_clock(timer=lambda: now[0], before_s=lambda: measured[0])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    measured[0] = 2.5  # what the optimizer's build spent measuring
+    model.fit(x, y, batch_size=4, epochs=2, callbacks=[Step(), clock], verbose=0,
+              shuffle=False)
+    assert clock.train_s == [4.5, 6.5]

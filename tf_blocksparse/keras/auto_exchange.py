@@ -85,6 +85,9 @@ class ExchangeChooser:
     Attributes:
       modes: Per group, the mode in use.
       decision: The last :class:`ExchangeDecision` (``None`` before any measurement).
+      measure_s: Wall seconds spent in :meth:`decide` so far (measuring, agreeing and
+        moving state): time a training clock must count, also when it ran before training
+        began (the build-time decision).
     """
 
     def __init__(self, policy: AutoExchange, strategy: tf.distribute.Strategy,
@@ -104,6 +107,7 @@ class ExchangeChooser:
         # the groups' byte sizes per mode (static), without compression times
         self._untimed = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
         self._compress_s: list[float] | None = None  # agreed, since the last link probes
+        self.measure_s = 0.0
 
     def mode_of(self, variable: int) -> str:
         """The mode of the group holding variable index ``variable``."""
@@ -135,6 +139,14 @@ class ExchangeChooser:
         Returns:
           The decision (``None`` with a single replica: every group dense, not measured).
         """
+        start = time.perf_counter()
+        try:
+            return self._decide(compute_s, remeasure, hysteresis)
+        finally:
+            self.measure_s += time.perf_counter() - start
+
+    def _decide(self, compute_s: float, remeasure: bool, hysteresis: bool
+                ) -> ExchangeDecision | None:
         strategy, policy = self.strategy, self.policy
         if strategy.num_replicas_in_sync <= 1:
             self.set_modes(["dense"] * len(self.groups))
