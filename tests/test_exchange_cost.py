@@ -87,6 +87,21 @@ def test_convergence_cost_per_mode_weighs_allgather_against_shared():
     assert one.get_config()["convergence_cost"] == {"allgather": 0.5, "shared": 1.0}
 
 
+def test_compute_prior_stands_in_for_the_unmeasured_compute():
+    # without compute, shared's faster exchange wins; with the prior (8x the compression
+    # time) allgather's fewer extra steps outweigh it, as with the compute measured later
+    link = LinkCost(0.0, 1e-9, 0.0, 2e-9)
+    g = GroupCost(dense_bytes=400_000_000, id_bytes=40_000, value_bytes=20_000_000,
+                  score_bytes=400_000, compress_s=0.012)
+    policy = AutoExchange()
+    assert policy.prior_compute_s([g, g]) == pytest.approx(8 * 0.024)
+    assert policy.decide(link, [g], 0.0).modes == ("shared",)
+    assert policy.decide(link, [g], policy.prior_compute_s([g])).modes == ("allgather",)
+    assert AutoExchange(compute_prior=0.0).prior_compute_s([g]) == 0.0
+    assert AutoExchange.from_config(AutoExchange(compute_prior=2.0).get_config()) == \
+        AutoExchange(compute_prior=2.0)
+
+
 def test_link_fit_takes_separate_gather_sizes():
     link = LinkCost.fit([1000, 5000, 9000], [0.002, 0.006, 0.010], [0.001, 0.003],
                         gather_sizes=[100, 300])
@@ -116,6 +131,7 @@ def test_candidates_and_hysteresis():
     ({"probe_repeats": 0}, "probe_repeats"), ({"probe_seconds": -1.0}, "probe_seconds"),
     ({"warmup_steps": 0}, "warmup_steps"),
     ({"remeasure_steps": -1}, "remeasure_steps"), ({"hysteresis": 1.0}, "hysteresis"),
+    ({"compute_prior": -1.0}, "compute_prior"), ({"compute_prior": True}, "compute_prior"),
 ])
 def test_bad_policy_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=name):

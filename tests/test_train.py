@@ -190,7 +190,9 @@ def test_auto_exchange_run_records_every_decision(tmp_path):
     steps = [d["step"] for d in m["auto_decisions"]]
     assert steps == [0, 20], steps  # AutoExchange's warmup_steps
     first, last = m["auto_decisions"]
-    assert first["auto_compute_ms"] == 0 and last["auto_compute_ms"] > 0
+    # build time: no step timed, the prior (8x all groups' compression) stands in
+    assert first["auto_compute_ms"] >= 8 * first["auto_compress_ms"] - 1e-9
+    assert last["auto_compute_ms"] > 0 and m["auto_measure_s"] > 0
     assert last["modes"] == m["auto_modes"] and len(last["modes"]) >= 2
     assert last["auto_sparse_groups"] + last["auto_dense_groups"] == len(last["modes"])
 

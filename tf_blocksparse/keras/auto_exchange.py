@@ -9,7 +9,8 @@ from what is measured on the running cluster:
    group's compression is timed locally; every worker's measurements are averaged (a
    collective), the decision is taken from the averages and replica 0's decision is used by
    all, so every worker traces the same exchange.  The time per step outside the exchange
-   is not known yet (taken as 0).
+   is not known yet: the policy's ``compute_prior`` times the measured compression time
+   stands in for it.
 2. :class:`AutoExchangeCallback` re-decides after ``warmup_steps`` and then every
    ``remeasure_steps`` steps with the measured step time, and has Keras re-trace the train
    function when the choice changed.  Error feedback stays exact across a switch: the
@@ -123,14 +124,15 @@ class ExchangeChooser:
         if self.on_change is not None and old != self.modes:
             self.on_change(old, self.modes)
 
-    def decide(self, compute_s: float = 0.0, remeasure: bool = True,
+    def decide(self, compute_s: float | None = None, remeasure: bool = True,
                hysteresis: bool = True) -> ExchangeDecision | None:
         """Measures, decides and sets :attr:`modes`; every worker must call it together
         (collectives), eagerly in cross-replica context.
 
         Args:
           compute_s: This worker's measured seconds per step outside the exchange
-            (averaged over the workers here).
+            (averaged over the workers here); ``None``: not measured yet, the policy's
+            :meth:`~AutoExchange.prior_compute_s` is used.
           remeasure: Time the collectives and the compression again; otherwise reuse the
             last decision's measurements (only ``compute_s`` is new).
           hysteresis: Keep the current modes unless the new ones are predicted faster by
@@ -145,20 +147,23 @@ class ExchangeChooser:
         finally:
             self.measure_s += time.perf_counter() - start
 
-    def _decide(self, compute_s: float, remeasure: bool, hysteresis: bool
+    def _decide(self, compute_s: float | None, remeasure: bool, hysteresis: bool
                 ) -> ExchangeDecision | None:
         strategy, policy = self.strategy, self.policy
         if strategy.num_replicas_in_sync <= 1:
             self.set_modes(["dense"] * len(self.groups))
             return None
+        measured = compute_s is not None
         with strategy.scope():
             if remeasure or self.decision is None:
-                link, compute = self._measure_link(compute_s)
+                link, compute = self._measure_link(compute_s or 0.0)
                 self._compress_s = None
             else:
                 link = self.decision.link
-                compute = link_probe.agree_mean(strategy, [compute_s])[0]
+                compute = link_probe.agree_mean(strategy, [compute_s or 0.0])[0]
             costs = self._costs(link, compute)
+            if not measured:  # every worker derives the same prior from the agreed costs
+                compute = policy.prior_compute_s(costs)
             decision = policy.decide(link, costs, compute,
                                      self.modes if hysteresis else None)
             codes = link_probe.from_first_replica(strategy, [CANDIDATES.index(m)
@@ -189,7 +194,8 @@ class ExchangeChooser:
 
     def _costs(self, link: LinkCost, compute_s: float) -> list[GroupCost]:
         """Every group's costs, with its compression timed (every worker's mean) only if a
-        sparse mode could win with free compression: otherwise it stays 0 (not timed)."""
+        sparse mode could win with free compression (and ``compute_s``, a lower bound of the
+        compute time: more only favours dense): otherwise it stays 0 (not timed)."""
         free = self._untimed
         if self._compress_s is None:
             if all(m == "dense" for m in self.policy.decide(link, free, compute_s).modes):

@@ -35,8 +35,9 @@ import tensorflow as tf
 from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import auto_exchange, mode_switch
+from tf_blocksparse.keras import auto_exchange
 from tf_blocksparse.keras import optimizer_step as step
+from tf_blocksparse.keras.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
@@ -49,7 +50,7 @@ from tf_blocksparse.keras.optimizer_args import (
     split_arguments,
 )
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
-from tf_blocksparse.planning.exchange_cost import ExchangeDecision, merge_runs
+from tf_blocksparse.planning.exchange_cost import ExchangeDecision
 from tf_blocksparse.planning.fusion import FusionPlan
 from tf_blocksparse.unitwise import layout_unit_axes
 
@@ -129,27 +130,14 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self.clipping = rules
         self._model = model
         _compat.disable_gradient_all_reduce(inner)
-        # exchange="auto" with local momentum m on an SGD: a dense group keeps its momentum
-        # in the inner SGD (the dense exchange's math, bit for bit), a sparse group in the
-        # per-replica velocities; the inner SGD applies m only to dense groups' variables.
-        self._inner_momentum = bool(
-            compression.auto and momentum is not None and momentum.active
-            and isinstance(inner, keras.optimizers.SGD) and not inner.nesterov
-            and not inner.momentum)
-        # a group entering the dense exchange is flushed at the switch where the inner
-        # optimizer allows it: then a dense group carries no per-replica state in the step
-        self._flush_at_switch = compression.auto and mode_switch.flushes_at_switch(
-            inner, self._inner_momentum)
-        if self._inner_momentum:
-            inner.momentum = momentum.momentum
-            _compat.momentum_only_where(inner, self._in_dense_group)
+        # exchange="auto": the chooser, where a group's momentum lives, the switch's moves
+        self._auto = AutoExchangeRuntime(self) if compression.auto else None
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
         self._backward_ranks: list[int] | None = None
         self._residuals: list[keras.Variable] = []
         self._clip_states: list[list[keras.Variable]] = []
         self._velocities: list[keras.Variable] = []
-        self._chooser: auto_exchange.ExchangeChooser | None = None  # exchange="auto"
 
     # -- state ---------------------------------------------------------------------------
     @_compat.no_automatic_dependency_tracking
@@ -177,15 +165,10 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             trainable=False, synchronization="on_read", aggregation="mean",
             name="blocksparse_stats")
         super().build(var_list)
-        self._chooser = None
-        if self.compression.auto:
+        if self._auto is not None:
             groups = self._group_indices()
-            self._chooser = auto_exchange.ExchangeChooser(
-                self.exchange, self._distribution_strategy, groups,
-                [self._compressor(g) for g in groups], self._group_dtypes(groups))
-            if auto_exchange.can_measure():
-                self._chooser.decide()  # the state is still empty: nothing to move
-            self._chooser.on_change = self._on_modes_change
+            self._auto.build(groups, [self._compressor(g) for g in groups],
+                             self._group_dtypes(groups))
 
     def _per_replica_variable(self, v: Any, shape: tuple[int, ...], dtype: str, prefix: str
                               ) -> keras.Variable:
@@ -268,7 +251,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             commits += [(s, n) for vs, ns in zip(clip_vars, new) for s, n in zip(vs, ns)]
         velocities = [self._velocities[i] for i in idx] if self._velocities else []
         # positions with per-replica state (all but dense groups flushed at their switch)
-        live = [p for p, i in enumerate(idx) if not self._stateless(i)]
+        auto = self._auto
+        live = [p for p, i in enumerate(idx) if not (auto and auto.stateless(i))]
         if velocities and live:  # DGC momentum correction: u = m u + g is what gets exchanged
             grads = list(grads)
             us = self.momentum_policy.accumulate(
@@ -284,12 +268,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             state = [tf.convert_to_tensor(r.value) if p in live_set else None
                      for p, r in enumerate(residuals)]
         modes: Any = self.exchange
-        if self._chooser:  # adjacent groups of one mode share one set of collectives
-            groups, modes = merge_runs(
-                groups, [self._chooser.mode_of(idx[g[0]]) for g in groups],
-                lambda a, b: a + b)
-            # dense runs in variable order: all-dense packs exactly as exchange="dense"
-            groups = [sorted(g) if m == "dense" else g for g, m in zip(groups, modes)]
+        if auto:  # adjacent groups of one mode share one set of collectives
+            groups, modes = auto.exchange_groups(groups, idx)
         result = step.run_grouped_exchange(
             modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
             grads, state, groups, self.metric)
@@ -301,8 +281,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             kept = self.momentum_policy.mask(
                 [grads[p] for p in live], self._compressor([idx[p] for p in live]).layouts,
                 sent, None if state is None else [state[p] for p in live])
-            if self._inner_momentum:  # sent whole: a dense group's momentum is the inner's
-                kept = [tf.zeros_like(u) if self._in_dense_group(idx[p]) else u
+            if auto and auto.inner_momentum:  # dense groups' momentum is the inner's
+                kept = [tf.zeros_like(u) if auto.in_dense_group(idx[p]) else u
                         for u, p in zip(kept, live)]
             commits += [(velocities[p], u) for p, u in zip(live, kept)]
         if commits:
@@ -312,30 +292,6 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
                          result.finite)
         seconds = step.clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
         step.record_stats(self._stats, result, seconds)
-
-    def _in_dense_group(self, variable: int) -> bool:
-        """Whether variable index ``variable`` is exchanged densely by the automatic
-        exchange (then the inner SGD applies its momentum)."""
-        return self._chooser is not None and self._chooser.mode_of(variable) == "dense"
-
-    def _stateless(self, variable: int) -> bool:
-        """Whether variable index ``variable`` is in a dense group flushed at its switch
-        (its step reads and writes no residual or velocity)."""
-        return self._flush_at_switch and self._in_dense_group(variable)
-
-    def _on_modes_change(self, old: Sequence[str], new: Sequence[str]) -> None:
-        """Moves per-group state between its dense and sparse homes (eagerly, every worker
-        together; see :mod:`~tf_blocksparse.keras.mode_switch`)."""
-        groups, strategy = self._chooser.groups, self._distribution_strategy
-        leaving = [i for g, a, b in zip(groups, old, new) if a == "dense" != b for i in g]
-        entering = [i for g, a, b in zip(groups, old, new) if a != "dense" == b for i in g]
-        if self._inner_momentum and self._velocities:
-            mode_switch.to_velocities(strategy, self.inner_optimizer, self._velocities,
-                                      leaving)
-        if self._flush_at_switch:
-            mode_switch.flush_to_weights(
-                strategy, self.inner_optimizer, self._trainable_variables, self._residuals,
-                self._velocities, entering, self._inner_momentum)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
@@ -360,35 +316,35 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
                                 self.fusion_buffer_bytes)
 
     # -- automatic exchange --------------------------------------------------------------
-    def measure_exchange(self, compute_s: float = 0.0) -> ExchangeDecision | None:
+    def measure_exchange(self, compute_s: float | None = None) -> ExchangeDecision | None:
         """Measures the cluster and re-decides ``exchange="auto"`` (every worker must call
         it, eagerly in cross-replica context; re-trace the step afterwards).
 
         Args:
-          compute_s: Measured seconds per step outside the exchange.
+          compute_s: Measured seconds per step outside the exchange (``None``: not known,
+            the policy's ``compute_prior`` times the compression time is assumed).
         """
-        if self._chooser is None:
+        if self._auto is None:
             raise ValueError("measure_exchange() needs a built optimizer with exchange='auto'")
-        if not auto_exchange.can_measure():
-            raise ValueError("measure_exchange() must be called eagerly in cross-replica "
-                             "context (it runs collectives on every worker)")
-        return self._chooser.decide(compute_s)
+        return self._auto.measure(compute_s)
 
     @property
     def exchange_chooser(self) -> auto_exchange.ExchangeChooser | None:
         """The automatic exchange's per-group chooser (``None`` for a fixed exchange)."""
-        return self._chooser
+        return None if self._auto is None else self._auto.chooser
 
     @property
     def exchange_decision(self) -> ExchangeDecision | None:
         """The automatic exchange's current choice and its measured inputs (else ``None``)."""
-        return None if self._chooser is None else self._chooser.decision
+        chooser = self.exchange_chooser
+        return None if chooser is None else chooser.decision
 
     def compression_seconds(self) -> float:
         """One replica's compression seconds per step with the exchange in use (its
         sparsely exchanged groups timed locally, no collective; 0 for dense)."""
         groups = self._group_indices()
-        modes = self._chooser.modes if self._chooser else [self.exchange] * len(groups)
+        chooser = self.exchange_chooser
+        modes = chooser.modes if chooser else [self.exchange] * len(groups)
         sparse = [g for g, m in zip(groups, modes) if m != "dense"]
         return auto_exchange.compression_seconds(
             [self._compressor(g) for g in sparse], self._group_dtypes(sparse))
@@ -437,7 +393,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
 
     def _inner_config(self) -> dict[str, Any]:
         config = keras.saving.serialize_keras_object(self.inner_optimizer)
-        if self._inner_momentum:  # the factor is the policy's; restored from there
+        if self._auto is not None and self._auto.inner_momentum:  # the policy's factor
             config["config"]["momentum"] = 0.0
         return config
 

@@ -271,6 +271,15 @@ class AutoExchange:
       remeasure_steps: Steps between later re-measurements (0: never).
       hysteresis: A new decision replaces the current one only if predicted at least this
         fraction faster (in [0, 1)), so noise does not flip it back and forth.
+      compute_prior: Before any step has been timed (the build-time decision), the time per
+        step outside the exchange is taken as this many times the measured compression
+        time of all groups (>= 0; 0: no time at all, the literal reading, which favours the
+        modes with the fastest exchange over those that converge in fewer steps).  A
+        backward pass does at least a multiply-add per weight and example where compression
+        makes a few memory passes per weight, so the prior stays below the real figure
+        for any batch worth distributing, and far closer to it than 0: a build-time choice
+        that the measured time overturns costs a re-trace.  ``AutoExchangeCallback``
+        replaces it with the measured time after ``warmup_steps``.
 
     Raises:
       ValueError: A bad value, naming the argument.
@@ -284,6 +293,7 @@ class AutoExchange:
     warmup_steps: int = 20
     remeasure_steps: int = 500
     hysteresis: float = 0.05
+    compute_prior: float = 8.0
 
     def __post_init__(self) -> None:
         cands = self.candidates
@@ -320,6 +330,7 @@ class AutoExchange:
         _count("remeasure_steps", self.remeasure_steps, 0)
         if _number("hysteresis", self.hysteresis) >= 1:
             raise ValueError(f"`hysteresis` must be in [0, 1), got {self.hysteresis!r}")
+        _number("compute_prior", self.compute_prior)
 
     def decide(self, link: LinkCost, groups: Sequence[GroupCost], compute_s: float = 0.0,
                current: Sequence[str] | None = None) -> ExchangeDecision:
@@ -379,6 +390,11 @@ class AutoExchange:
         dense_step, dense_objective = evaluate(dense_modes)
         return ExchangeDecision(tuple(best), link, groups, compute_s, step, dense_step,
                                 objective, dense_objective)
+
+    def prior_compute_s(self, groups: Sequence[GroupCost]) -> float:
+        """The time per step outside the exchange assumed before any step is timed:
+        ``compute_prior`` times the groups' summed compression seconds."""
+        return self.compute_prior * math.fsum(g.compress_s for g in groups)
 
     def convergence_cost_of(self, mode: str) -> float:
         """The convergence cost of ``mode`` (0 for ``"dense"``)."""

@@ -1,0 +1,113 @@
+"""What ``exchange="auto"`` adds to :class:`~tf_blocksparse.keras.optimizer.BlockSparseOptimizer`.
+
+One :class:`AutoExchangeRuntime` per optimizer holds the automatic exchange's parts of the
+step: the :class:`~tf_blocksparse.keras.auto_exchange.ExchangeChooser` (measurements and the
+mode of every fusion group), where a group's momentum lives in each mode, and the state that
+moves when a group changes mode (:mod:`~tf_blocksparse.keras.mode_switch`).  The optimizer
+asks it three things per step: which variables carry no per-replica state (dense groups
+flushed at their switch), which variables' momentum the inner SGD applies (dense groups),
+and how the fusion groups are exchanged (adjacent groups of one mode share one set of
+collectives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from tf_blocksparse import _compat
+from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.keras import mode_switch
+from tf_blocksparse.keras.auto_exchange import ExchangeChooser, can_measure
+from tf_blocksparse.planning.exchange_cost import ExchangeDecision, merge_runs
+
+__all__ = ["AutoExchangeRuntime"]
+
+
+class AutoExchangeRuntime:
+    """The automatic exchange's part of one optimizer.
+
+    Args:
+      owner: The ``BlockSparseOptimizer`` built with ``exchange="auto"`` (its inner
+        optimizer, momentum policy and, at a switch, its per-replica state are used).
+
+    Attributes:
+      inner_momentum: Local momentum ``m`` over an inner ``SGD`` (not Nesterov, without
+        momentum of its own): a dense group keeps its momentum in the inner SGD (the dense
+        exchange's math, bit for bit), a sparse group in the per-replica velocities; the
+        inner SGD then applies ``m`` to the dense groups' variables only.
+      flush_at_switch: A group entering the dense exchange is flushed at the switch (its
+        residual applied once, its momentum moved), so dense groups carry no per-replica
+        state in the step; otherwise its first dense step sends ``grad + residual``.
+      chooser: The :class:`ExchangeChooser` once the owner is built, else ``None``.
+    """
+
+    def __init__(self, owner: Any):
+        inner, momentum = owner.inner_optimizer, owner.momentum_policy
+        self._owner = owner
+        self.inner_momentum = bool(
+            momentum is not None and momentum.active
+            and isinstance(inner, keras.optimizers.SGD) and not inner.nesterov
+            and not inner.momentum)
+        self.flush_at_switch = mode_switch.flushes_at_switch(inner, self.inner_momentum)
+        self.chooser: ExchangeChooser | None = None
+        if self.inner_momentum:
+            inner.momentum = momentum.momentum
+            _compat.momentum_only_where(inner, self.in_dense_group)
+
+    def build(self, groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
+              dtypes: Sequence[Sequence[Any]]) -> None:
+        """Creates the chooser over the owner's fusion groups (variable indices) and, where
+        collectives can be timed (eagerly, cross-replica), takes the build-time decision;
+        the state is still empty then, so nothing moves."""
+        owner = self._owner
+        self.chooser = ExchangeChooser(owner.exchange, owner._distribution_strategy, groups,
+                                       compressors, dtypes)
+        if can_measure():
+            self.chooser.decide()
+        self.chooser.on_change = self._on_modes_change
+
+    def in_dense_group(self, variable: int) -> bool:
+        """Whether variable index ``variable`` is in a densely exchanged group now."""
+        return self.chooser is not None and self.chooser.mode_of(variable) == "dense"
+
+    def stateless(self, variable: int) -> bool:
+        """Whether variable index ``variable`` is in a dense group flushed at its switch (its
+        step reads and writes no residual or velocity)."""
+        return self.flush_at_switch and self.in_dense_group(variable)
+
+    def exchange_groups(self, groups: Sequence[Sequence[int]], idx: Sequence[int]
+                        ) -> tuple[list[list[int]], list[str]]:
+        """The step's exchange units: adjacent fusion groups (positions of the step's
+        gradients, of variables ``idx``) of one mode merged, with their modes; dense units in
+        variable order, so an all-dense step packs exactly as ``exchange="dense"``."""
+        merged, modes = merge_runs([list(g) for g in groups],
+                                   [self.chooser.mode_of(idx[g[0]]) for g in groups],
+                                   lambda a, b: a + b)
+        return [sorted(g) if m == "dense" else g for g, m in zip(merged, modes)], modes
+
+    def measure(self, compute_s: float | None) -> ExchangeDecision | None:
+        """Measures and re-decides (every worker together, eagerly in cross-replica
+        context)."""
+        if self.chooser is None:
+            raise ValueError("measure_exchange() needs a built optimizer with exchange='auto'")
+        if not can_measure():
+            raise ValueError("measure_exchange() must be called eagerly in cross-replica "
+                             "context (it runs collectives on every worker)")
+        return self.chooser.decide(compute_s)
+
+    def _on_modes_change(self, old: Sequence[str], new: Sequence[str]) -> None:
+        """Moves per-group state between its dense and sparse homes (eagerly, every worker
+        together; see :mod:`~tf_blocksparse.keras.mode_switch`)."""
+        owner, groups = self._owner, self.chooser.groups
+        strategy, inner = owner._distribution_strategy, owner.inner_optimizer
+        leaving = [i for g, a, b in zip(groups, old, new) if a == "dense" != b for i in g]
+        entering = [i for g, a, b in zip(groups, old, new) if a != "dense" == b for i in g]
+        if self.inner_momentum and owner.velocities:
+            mode_switch.to_velocities(strategy, inner, owner.velocities, leaving)
+        if self.flush_at_switch:
+            mode_switch.flush_to_weights(strategy, inner, owner._trainable_variables,
+                                         owner.residuals, owner.velocities, entering,
+                                         self.inner_momentum)
