@@ -115,6 +115,13 @@ def _positive_numbers(values: list[str]) -> bool:
         return False
 
 
+def _same_budget(old: dict, new: dict) -> bool:
+    """Whether a kept group was run with the budget asked for now (its ``rule`` is prose
+    that describes the budget, not part of it)."""
+    return {k: v for k, v in old.items() if k != "rule"} == \
+        {k: v for k, v in new.items() if k != "rule"}
+
+
 def steady_step_s(record: dict) -> float | None:
     """Median training seconds per step over epochs 2.. (epoch 1 also traces the graphs)."""
     times = [0.0, *record["train_s_per_epoch"]]
@@ -328,7 +335,7 @@ def main(argv: list[str]) -> None:
             old = json.load(fh)
         for key, budget in old.get("group_budgets", {}).items():
             model = key.split(" @ ")[0]
-            if model not in f.models or budget == group_budget(model):
+            if model not in f.models or _same_budget(budget, group_budget(model)):
                 doc["runs"][key], doc["group_budgets"][key] = old["runs"][key], budget
                 kept = [r for r in old["records"]
                         if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" == key]
