@@ -12,6 +12,7 @@ checks it; ``--update_readme=docs/results.md`` rewrites them).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -76,6 +77,15 @@ def time_to_accuracy_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _runs_of(modes: list[str]) -> str:
+    """``["dense", "allgather", "allgather"]`` -> ``"dense, allgather x2"``."""
+    parts = []
+    for mode, run in itertools.groupby(modes):
+        n = sum(1 for _ in run)
+        parts.append(mode if n == 1 else f"{mode} x{n}")
+    return ", ".join(parts)
+
+
 def step_breakdown_table(doc: dict) -> str:
     """Where a step's time goes, per model x bandwidth x method (``time_to_accuracy.json``
     runs that carry the optimizer wrapper's timings), mean over the seeds."""
@@ -85,7 +95,7 @@ def step_breakdown_table(doc: dict) -> str:
     for r in _tta_summary(doc):
         if r.get("compute_s") is None:
             continue
-        modes = sorted({", ".join(m) for m in r.get("auto_modes") or [] if m})
+        modes = sorted({_runs_of(m) for m in r.get("auto_modes") or [] if m})
         lines.append(
             f"| {r['model']} | {r['bandwidth_mbit']:g} Mbit/s | {r['method']} | "
             f"{len(r['seeds'])} | {r['s_per_step']['mean']:.3f} | "

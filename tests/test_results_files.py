@@ -7,6 +7,7 @@ import os
 import pytest
 
 from launch import results_tables
+from launch.bench_time_to_accuracy import aggregate
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "benchmarks", "results")
@@ -53,8 +54,17 @@ def test_time_to_accuracy_file():
                    if (r["model"], r["bandwidth_mbit"]) == (model, bw)}
         assert {"dense", "block_allgather", "block_shared", "topk", "block_auto"} <= methods
     assert doc["budget"]["num_workers"] == 4
+    summary = doc.get("summary") or aggregate(records)  # files from before --seeds
+    for row in summary:  # one row per model x link x method, over its seeds
+        runs = [r for r in records if (r["model"], r["bandwidth_mbit"], r["method"]) ==
+                (row["model"], row["bandwidth_mbit"], row["method"])]
+        assert row["seeds"] == sorted(r.get("seed", 0) for r in runs)
+        assert row["reached"] == sum(r["speedup_vs_dense"] is not None for r in runs)
+        speed = row["speedup_vs_dense"]
+        assert speed is None or speed["min"] <= speed["mean"] <= speed["max"]
+    assert sum(len(row["seeds"]) for row in summary) == len(records)
     table = results_tables.time_to_accuracy_table(doc).splitlines()
-    assert len(table) == len(records) + 2
+    assert len(table) == len(summary) + 2
     _png("time_to_accuracy.png")
 
 
