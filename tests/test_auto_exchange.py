@@ -215,6 +215,16 @@ def test_all_dense_auto_is_the_dense_exchange_bit_for_bit(mirrored2):
     assert again.inner_optimizer.momentum == 0.9 and again._auto.inner_momentum
 
 
+@pytest.mark.parametrize("mode", ["allgather", "shared"])
+def test_one_sparse_mode_everywhere_is_that_exchange_bit_for_bit(mirrored2, mode):
+    fixed, _ = _momentum_fit(mirrored2, mode, 3, density=0.1)
+    auto, opt = _momentum_fit(mirrored2, "auto", 3, modes=mode, density=0.1,
+                              fusion_buffer_bytes=512)
+    assert len(opt.exchange_chooser.groups) >= 2  # merged into one unit, in variable order
+    for a, b in zip(auto.get_weights(), fixed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_momentum_moves_with_a_group_between_dense_and_sparse(mirrored2):
     # density 1 with no masking: the sparse exchange sends everything and keeps u, so it is
     # momentum SGD too, and a switch that moved the momentum correctly changes nothing.

@@ -40,6 +40,11 @@ def test_collective_probes_and_agreement(mirrored2):
         assert all(np.isfinite(s) and s > 0 for s in sums + gathers)
         assert link_probe.agree_mean(mirrored2, [1.0, 3.0]) == [1.0, 3.0]
         assert link_probe.from_first_replica(mirrored2, [2, 0, 1]) == [2, 0, 1]
+        traced = len(link_probe._AGREE)  # lengths up to 8 share one function per kind
+        assert link_probe.agree_mean(mirrored2, [0.5] * 7) == [0.5] * 7
+        assert len(link_probe._AGREE) == traced
+        assert link_probe.agree_mean(mirrored2, [2.0] * 9) == [2.0] * 9  # padded to 16
+        assert len(link_probe._AGREE) == traced + 1
 
 
 def test_probes_grow_until_the_time_or_the_cap(mirrored2):

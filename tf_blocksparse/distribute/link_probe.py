@@ -166,30 +166,47 @@ def _compress_probe(comp: BlockTopK, grads: list, state: list) -> Callable[[], A
     return run
 
 
+_AGREE: dict[tuple[int, int, bool], Callable[[tf.Tensor], Any]] = {}
+
+
+def _agreed_sum(strategy: tf.distribute.Strategy, values: Sequence[float], first: bool
+                ) -> list[float]:
+    """The sum over all replicas of ``values`` (of replica 0's alone if ``first``).
+
+    One all-reduce in a function traced once per strategy, kind and padded length (a power
+    of two >= 8), so the many small agreements of a decision share a few traced functions.
+    """
+    n = max(8, 1 << (len(values) - 1).bit_length())
+    key = (id(strategy), n, first)
+    if key not in _AGREE:
+
+        def replica_fn(x: tf.Tensor) -> tf.Tensor:
+            ctx = tf.distribute.get_replica_context()
+            x = tf.identity(x)  # on the replica's device (an argument has none)
+            if first:
+                x = x * tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), x.dtype)
+            return ctx.all_reduce(_SUM, x)
+
+        @tf.function(autograph=False, input_signature=[tf.TensorSpec((n,), tf.float64)])
+        def agree(x: tf.Tensor) -> Any:
+            return strategy.run(replica_fn, args=(x,))
+
+        _AGREE[key] = agree
+    padded = tf.constant([*map(float, values), *[0.0] * (n - len(values))], tf.float64)
+    out = strategy.experimental_local_results(_AGREE[key](padded))[0].numpy()
+    return [float(v) for v in out[:len(values)]]
+
+
 def agree_mean(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
     """The mean over all replicas of ``values`` (identical on every worker)."""
     if not values:
         return []
-    mine = tf.constant(list(values), tf.float64)
-
-    @tf.function(autograph=False)
-    def spread() -> Any:
-        return strategy.run(tf.identity, args=(mine,))
-
-    per_replica = spread()
-    return [float(v) for v in strategy.reduce("MEAN", per_replica, axis=None).numpy()]
+    replicas = strategy.num_replicas_in_sync
+    return [v / replicas for v in _agreed_sum(strategy, values, first=False)]
 
 
 def from_first_replica(strategy: tf.distribute.Strategy, values: Sequence[int]) -> list[int]:
     """Replica 0's ``values`` on every worker (a sum where the others contribute zeros)."""
     if not values:
         return []
-    mine = tf.constant(list(values), tf.int64)
-
-    def replica_fn() -> tf.Tensor:
-        ctx = tf.distribute.get_replica_context()
-        first = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), tf.int64)
-        return ctx.all_reduce(_SUM, mine * first)
-
-    out = tf.function(lambda: strategy.run(replica_fn), autograph=False)()
-    return [int(v) for v in strategy.experimental_local_results(out)[0].numpy()]
+    return [int(round(v)) for v in _agreed_sum(strategy, values, first=True)]

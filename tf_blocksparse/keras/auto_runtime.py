@@ -81,12 +81,15 @@ class AutoExchangeRuntime:
     def exchange_groups(self, groups: Sequence[Sequence[int]], idx: Sequence[int]
                         ) -> tuple[list[list[int]], list[str]]:
         """The step's exchange units: adjacent fusion groups (positions of the step's
-        gradients, of variables ``idx``) of one mode merged, with their modes; dense units in
-        variable order, so an all-dense step packs exactly as ``exchange="dense"``."""
+        gradients, of variables ``idx``) of one mode merged, with their modes.  Each unit is
+        packed in variable order (a unit waits for all its members either way), so a step
+        whose groups all have one mode packs exactly as that fixed exchange: a ring
+        all-reduce's sums depend on where an element sits in the buffer, and with the same
+        layout the training is the fixed exchange's bit for bit."""
         merged, modes = merge_runs([list(g) for g in groups],
                                    [self.chooser.mode_of(idx[g[0]]) for g in groups],
                                    lambda a, b: a + b)
-        return [sorted(g) if m == "dense" else g for g, m in zip(merged, modes)], modes
+        return [sorted(g) for g in merged], modes
 
     def measure(self, compute_s: float | None) -> ExchangeDecision | None:
         """Measures and re-decides (every worker together, eagerly in cross-replica
