@@ -211,16 +211,17 @@ SPREAD_FIELDS = ("speedup_vs_dense", "time_to_target_s", "final_accuracy", "s_pe
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """One row per model x bandwidth x method of :func:`summarise`'s per-seed ``rows``: the
-    seeds, and per figure of :data:`SPREAD_FIELDS` its :func:`experiments.spread` over the
-    seeds where it exists (``speedup_vs_dense``: ``None`` where no seed reached the target;
-    ``reached`` counts the seeds that did)."""
-    out: dict[tuple, dict] = {}
+    """One row per model x bandwidth x method of :func:`summarise`'s per-seed ``rows``
+    (sorted by model and bandwidth): the seeds, and per figure of :data:`SPREAD_FIELDS` its
+    :func:`experiments.spread` over the seeds where it exists (``speedup_vs_dense``:
+    ``None`` where no seed reached the target; ``reached`` counts the seeds that did)."""
+    out: dict[tuple, list[dict]] = {}
     for r in rows:
         key = (r["model"], r["bandwidth_mbit"], r["method"])
         out.setdefault(key, []).append(r)
     summary = []
-    for (model, bw, method), runs in out.items():
+    # by model and link; methods in the order of their first record (dense first)
+    for (model, bw, method), runs in sorted(out.items(), key=lambda kv: kv[0][:2]):
         runs = sorted(runs, key=lambda r: r.get("seed", 0))
         first = runs[0]
         summary.append({

@@ -53,18 +53,21 @@ class AutoExchangeRuntime:
             and not inner.momentum)
         self.flush_at_switch = mode_switch.flushes_at_switch(inner, self.inner_momentum)
         self.chooser: ExchangeChooser | None = None
+        self._variables: list[Any] = []
         if self.inner_momentum:
             inner.momentum = momentum.momentum
             _compat.momentum_only_where(inner, self.in_dense_group)
 
-    def build(self, groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
+    def build(self, strategy: Any, variables: Sequence[Any],
+              groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
               dtypes: Sequence[Sequence[Any]]) -> None:
-        """Creates the chooser over the owner's fusion groups (variable indices) and, where
-        collectives can be timed (eagerly, cross-replica), takes the build-time decision;
-        the state is still empty then, so nothing moves."""
-        owner = self._owner
-        self.chooser = ExchangeChooser(owner.exchange, owner._distribution_strategy, groups,
-                                       compressors, dtypes)
+        """Creates the chooser over the owner's fusion groups (indices into its trainable
+        ``variables``, which a switch updates) under ``strategy`` and, where collectives can
+        be timed (eagerly, cross-replica), takes the build-time decision; the state is still
+        empty then, so nothing moves."""
+        self._variables = list(variables)
+        self.chooser = ExchangeChooser(self._owner.exchange, strategy, groups, compressors,
+                                       dtypes)
         if can_measure():
             self.chooser.decide()
         self.chooser.on_change = self._on_modes_change
@@ -104,13 +107,13 @@ class AutoExchangeRuntime:
     def _on_modes_change(self, old: Sequence[str], new: Sequence[str]) -> None:
         """Moves per-group state between its dense and sparse homes (eagerly, every worker
         together; see :mod:`~tf_blocksparse.keras.mode_switch`)."""
-        owner, groups = self._owner, self.chooser.groups
-        strategy, inner = owner._distribution_strategy, owner.inner_optimizer
+        owner, chooser = self._owner, self.chooser
+        groups, strategy, inner = chooser.groups, chooser.strategy, owner.inner_optimizer
         leaving = [i for g, a, b in zip(groups, old, new) if a == "dense" != b for i in g]
         entering = [i for g, a, b in zip(groups, old, new) if a != "dense" == b for i in g]
         if self.inner_momentum and owner.velocities:
             mode_switch.to_velocities(strategy, inner, owner.velocities, leaving)
         if self.flush_at_switch:
-            mode_switch.flush_to_weights(strategy, inner, owner._trainable_variables,
+            mode_switch.flush_to_weights(strategy, inner, self._variables,
                                          owner.residuals, owner.velocities, entering,
                                          self.inner_momentum)

@@ -167,8 +167,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         super().build(var_list)
         if self._auto is not None:
             groups = self._group_indices()
-            self._auto.build(groups, [self._compressor(g) for g in groups],
-                             self._group_dtypes(groups))
+            self._auto.build(self._distribution_strategy, self._trainable_variables, groups,
+                             [self._compressor(g) for g in groups], self._group_dtypes(groups))
 
     def _per_replica_variable(self, v: Any, shape: tuple[int, ...], dtype: str, prefix: str
                               ) -> keras.Variable:
