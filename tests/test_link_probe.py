@@ -49,8 +49,10 @@ def test_collective_probes_and_agreement(mirrored2):
 
 def test_probes_grow_until_the_time_or_the_cap(mirrored2):
     with mirrored2.scope():
-        sizes, times = link_probe.grown_probes(mirrored2, [64, 256], 1, "sum", 10.0, 5000)
-        assert sizes == [64, 256, 1024, 4096, 5000] and len(times) == 5  # capped at 5000
+        sizes, times = link_probe.grown_probes(mirrored2, [64, 256], 1, "sum", 10.0, 9000)
+        assert sizes == [64, 256, 1024, 4096, 9000] and len(times) == 5  # capped at 9000
+        sizes, _ = link_probe.grown_probes(mirrored2, [64, 256], 1, "sum", 10.0, 5000)
+        assert sizes == [64, 256, 1024, 4096]  # 5000 would add < 2x: not worth a trace
         sizes, _ = link_probe.grown_probes(mirrored2, [64, 256], 1, "gather", 0.0, 5000)
         assert sizes == [64, 256]  # every probe already took >= 0 s
 

@@ -95,7 +95,8 @@ def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats
     """Times ``kind`` at ``sizes`` (capped at ``cap_bytes`` while two distinct sizes remain),
     then at 4x the largest size again and again while one collective (every worker's mean:
     all workers grow alike) took less than ``until_s`` and the size is below ``cap_bytes``
-    (the last size is capped at it).
+    (the last size is capped at it, and left out when that is less than twice the size
+    before: a probe barely larger than the last adds a trace, not information).
 
     Returns:
       The sizes timed and their seconds (this worker's own figures).
@@ -104,7 +105,7 @@ def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats
     sizes = capped if len(capped) >= 2 else list(sizes)  # nothing larger than needed
     times = [time_collective(strategy, s, repeats, kind) for s in sizes]
     last = agree_mean(strategy, times[-1:])[0]
-    while last < until_s and sizes[-1] < cap_bytes:
+    while last < until_s and min(int(cap_bytes), 4 * sizes[-1]) >= 2 * sizes[-1]:
         sizes.append(min(int(cap_bytes), 4 * sizes[-1]))
         # one collective per call: at these sizes the dispatch cost is noise
         times.append(time_collective(strategy, sizes[-1], 1, kind))
