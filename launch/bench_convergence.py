@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 
 from absl import app, flags
 
@@ -78,16 +77,15 @@ def summarise(model: str, method: str, records: list[dict]) -> dict:
     finals = [r["test_accuracy"] for r in records]
     curves = [r["history"].get("val_accuracy", []) for r in records]
     epochs = min(len(c) for c in curves)
+    final = experiments.spread(finals)
+    per_epoch = [experiments.spread([c[e] for c in curves]) for e in range(epochs)]
     return {
         "model": model, "method": method, "seeds": [r["flags"]["seed"] for r in records],
         "final_accuracy": [round(a, 4) for a in finals],
         "test_correct": [r["test_correct"] for r in records],
         "test_examples": [r["test_examples"] for r in records],
-        "mean": round(statistics.fmean(finals), 4),
-        "std": round(statistics.stdev(finals), 4) if len(finals) > 1 else 0.0,
-        "curve_mean": [round(statistics.fmean(c[e] for c in curves), 4) for e in range(epochs)],
-        "curve_std": [round(statistics.stdev([c[e] for c in curves]), 4) if len(curves) > 1
-                      else 0.0 for e in range(epochs)],
+        "mean": final["mean"], "std": final["std"],
+        "curve_mean": [e["mean"] for e in per_epoch], "curve_std": [e["std"] for e in per_epoch],
         "epochs": epochs, "steps": records[0]["steps"],
         "bytes_per_step": records[0]["payload_bytes_per_step"],
         "dense_bytes_per_step": records[0]["dense_bytes_per_step"],

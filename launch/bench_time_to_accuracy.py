@@ -206,8 +206,8 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
 
 
 #: Per-seed figures of :func:`summarise` that :func:`aggregate` gives as spreads.
-SPREAD_FIELDS = ("speedup_vs_dense", "time_to_target_s", "final_accuracy", "s_per_step",
-                 "compute_s", "compression_s", "communication_s")
+SPREAD_FIELDS = ("speedup_vs_dense", "time_to_target_s", "final_accuracy", "target_accuracy",
+                 "s_per_step", "compute_s", "compression_s", "communication_s")
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -229,7 +229,6 @@ def aggregate(rows: list[dict]) -> list[dict]:
             "seeds": [r.get("seed", 0) for r in runs],
             "reached": sum(r["speedup_vs_dense"] is not None for r in runs),
             **{k: experiments.spread([r.get(k) for r in runs]) for k in SPREAD_FIELDS},
-            "target_accuracy": experiments.spread([r["target_accuracy"] for r in runs]),
             "bytes_per_step": first["bytes_per_step"],
             "dense_bytes_per_step": first["dense_bytes_per_step"],
             "evaluation": first.get("evaluation"), "lr": first.get("lr"),
@@ -274,7 +273,8 @@ def run_group(model: str, bw: float, budget: dict, methods: list[str], seeds: li
             not any(r["method"] == m and r["seed"] == seed for r in kept)]
     if not todo:
         return None
-    runs = [r for r in kept if (r["seed"], r["method"]) not in set(todo)]
+    again = set(todo)
+    runs = [r for r in kept if (r["seed"], r["method"]) not in again]
     order = {m: i for i, m in enumerate(methods)}
     for seed, method in todo:
         target = next((max(r["test_accuracy"] - f.target_drop, 1e-6) for r in runs

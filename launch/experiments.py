@@ -145,8 +145,7 @@ def slim(record: dict) -> dict:
             "steps_per_epoch", "epochs_trained", "payload_bytes_per_step",
             "dense_bytes_per_step", "train_s_per_epoch", "launcher_wall_s", "num_workers",
             "exchange_s_per_step", "compress_s_per_step", "auto_modes", "auto_decisions",
-            "auto_measure_s",
-            "seed")
+            "auto_measure_s", "seed")
     out = {k: record[k] for k in keep if k in record}
     out["history"] = {key: list(record["history"][key])
                       for key in ("val_accuracy", "payload_bytes") if key in record["history"]}
