@@ -108,6 +108,37 @@ def test_fit_measures_decides_and_reports(mirrored2):
     assert m["exchange_s"] > 0 and m["exchange_s_total"] >= m["exchange_s"]
 
 
+def test_the_callback_weighs_a_switch_against_the_steps_left(mirrored2):
+    """The re-decisions get the steps still to train and the first step's extra time (what
+    a re-trace costs), so a change that cannot pay for its re-trace is not made."""
+    seen = []
+
+    class Recording(tfbs.AutoExchangeCallback):
+        def on_train_batch_end(self, batch, logs=None):
+            chooser = self._opt().exchange_chooser
+            if not hasattr(chooser, "recorded"):
+                real = chooser.decide
+
+                def decide(*args, **kwargs):
+                    seen.append(kwargs)
+                    return real(*args, **kwargs)
+
+                chooser.decide, chooser.recorded = decide, True
+            super().on_train_batch_end(batch, logs)
+
+    with mirrored2.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), density=0.1,
+                                        exchange=tfbs.AutoExchange(warmup_steps=3,
+                                                                   remeasure_steps=0))
+        model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    steps = len(X) // 8
+    model.fit(X, (X[:, 0] > 0).astype("int32"), batch_size=8, epochs=2, verbose=0,
+              callbacks=[Recording()])
+    assert len(seen) == 1 and seen[0]["steps_left"] == 2 * steps - 3
+    assert seen[0]["switch_s"] > 0  # the first step traced
+
+
 @pytest.mark.parametrize("candidates,sparse", [(("allgather",), True), (("dense",), False)])
 def test_candidates_decide_what_is_sent(mirrored2, candidates, sparse):
     opt, _ = _fit_auto(mirrored2, tfbs.AutoExchange(candidates=candidates), dense_below=0)

@@ -120,6 +120,27 @@ def test_candidates_and_hysteresis():
     assert near.decide(SLOW, [BIG], 0.1, current=["dense"]).modes == ("dense",)
     assert AutoExchange(hysteresis=0.0).decide(SLOW, [BIG], 0.1,
                                                current=["dense"]).modes == ("shared",)
+    assert near.decide(SLOW, [BIG], 0.1, current=["dense"],
+                       hysteresis=False).modes == ("shared",)
+
+
+def test_a_switch_must_pay_for_its_retrace():
+    policy = AutoExchange(hysteresis=0.0)
+    free = policy.decide(SLOW, [BIG], 0.1)
+    assert free.modes == ("shared",)
+    dense = policy.decide(SLOW, [BIG], 0.1, ["dense"], hysteresis=False).dense_objective_s
+    dense_step = policy.decide(SLOW, [BIG], 0.1, ["dense"]).dense_step_s
+    # switching saves steps_left * dense_step * (1 - new / old) seconds
+    per_step = dense_step * (1 - free.objective_s / dense)
+    for steps_left, switch_s, modes in ((None, 1e9, "shared"), (0, 0.0, "dense"),
+                                        (10, 9.9 * per_step, "shared"),
+                                        (10, 10.1 * per_step, "dense")):
+        got = policy.decide(SLOW, [BIG], 0.1, ["dense"], switch_s=switch_s,
+                            steps_left=steps_left)
+        assert got.modes == (modes,), (steps_left, switch_s)
+    for bad in ({"switch_s": -1.0}, {"steps_left": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            policy.decide(SLOW, [BIG], 0.1, **bad)
 
 
 @pytest.mark.parametrize("kwargs,name", [

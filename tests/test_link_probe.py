@@ -1,5 +1,10 @@
 """The automatic exchange's measurements on two real MirroredStrategy replicas."""
 
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -35,9 +40,12 @@ def test_compression_probe_times_each_group_and_creates_no_state(mirrored2):
 
 def test_collective_probes_and_agreement(mirrored2):
     with mirrored2.scope():
-        sums, gathers = link_probe.time_collectives(mirrored2, [1024, 65536], 2)
-        assert len(sums) == len(gathers) == 2
-        assert all(np.isfinite(s) and s > 0 for s in sums + gathers)
+        probes = [("sum", 1024), ("sum", 65536), ("gather", 1024), ("gather", 65536)]
+        seconds = link_probe.time_collectives(mirrored2, probes, 2)
+        assert len(seconds) == 4 and all(np.isfinite(s) and s > 0 for s in seconds)
+        traced = len(link_probe._PROBES)  # the same probes again: nothing traced
+        link_probe.time_collectives(mirrored2, probes, 1)
+        assert len(link_probe._PROBES) == traced
         assert link_probe.agree_mean(mirrored2, [1.0, 3.0]) == [1.0, 3.0]
         assert link_probe.from_first_replica(mirrored2, [2, 0, 1]) == [2, 0, 1]
         traced = len(link_probe._AGREE)  # lengths up to 8 share one function per kind
@@ -49,12 +57,30 @@ def test_collective_probes_and_agreement(mirrored2):
 
 def test_probes_grow_until_the_time_or_the_cap(mirrored2):
     with mirrored2.scope():
-        sizes, times = link_probe.grown_probes(mirrored2, [64, 256], 1, "sum", 10.0, 9000)
+        traced = len(link_probe._PROBES)
+        out = link_probe.grown_probes(mirrored2, [64, 256], 1, 10.0,
+                                      {"sum": 9000, "gather": 5000})
+        assert len(link_probe._PROBES) == traced + 4  # one function per round, both kinds
+        sizes, times = out["sum"]
         assert sizes == [64, 256, 1024, 4096, 9000] and len(times) == 5  # capped at 9000
-        sizes, _ = link_probe.grown_probes(mirrored2, [64, 256], 1, "sum", 10.0, 5000)
-        assert sizes == [64, 256, 1024, 4096]  # 5000 would add < 2x: not worth a trace
-        sizes, _ = link_probe.grown_probes(mirrored2, [64, 256], 1, "gather", 0.0, 5000)
-        assert sizes == [64, 256]  # every probe already took >= 0 s
+        assert out["gather"][0] == [64, 256, 1024, 4096]  # 5000 would add < 2x: no trace
+        out = link_probe.grown_probes(mirrored2, [64, 256], 1, 0.0, {"gather": 5000})
+        assert list(out) == ["gather"] and out["gather"][0] == [64, 256]  # took >= 0 s
+        out = link_probe.grown_probes(mirrored2, [64, 256, 4096], 1, 0.0, {"sum": 100})
+        assert out["sum"][0] == [64, 100]  # capped: nothing larger than needed
+
+
+@pytest.mark.parametrize("probes,calls,match", [
+    ([("max", 64)], 1, "probes"), ([("sum", 0)], 1, "probes"), ([], 1, "probes"),
+    ([("sum", 64)], 0, "calls")])
+def test_collective_probes_reject_bad_input(mirrored2, probes, calls, match):
+    with mirrored2.scope(), pytest.raises(ValueError, match=match):
+        link_probe.time_collectives(mirrored2, probes, calls)
+
+
+def test_compression_probe_rejects_bad_repeats():
+    with pytest.raises(ValueError, match="repeats"):
+        link_probe.time_compression([_comp((8, 4))], [["float32"]], repeats=0)
 
 
 def test_a_re_measurement_reuses_the_traced_probes(mirrored2):
@@ -76,3 +102,42 @@ def test_compression_is_timed_only_where_a_sparse_mode_could_win(mirrored2, poli
     assert bool(chooser._probe_cache) == timed
     assert (decision.compress_s > 0) == timed
     assert all(g.compress_s == 0 for g in decision.groups) != timed
+
+
+def test_collective_probes_run_under_op_determinism():
+    """``--deterministic`` runs enable op determinism, which refuses ``tf.timestamp``: the
+    probes still time (a fresh process, so the rest of the suite keeps its settings)."""
+    code = (
+        "import tensorflow as tf\n"
+        "tf.config.experimental.enable_op_determinism()\n"
+        "cpu = tf.config.list_physical_devices('CPU')[0]\n"
+        "logical = [tf.config.LogicalDeviceConfiguration()] * 2\n"
+        "tf.config.set_logical_device_configuration(cpu, logical)\n"
+        "from tf_blocksparse.distribute import link_probe\n"
+        "s = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])\n"
+        "with s.scope():\n"
+        "    t = link_probe.time_collectives(s, [('sum', 1024), ('gather', 4096)], 2)\n"
+        "assert len(t) == 2 and all(x > 0 for x in t), t\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_the_in_graph_clock_waits_for_stateless_work():
+    """Grappler drops a stateless op whose result only feeds control edges: the clock must
+    take the work's result as an input, or it would read before (without) the work."""
+
+    def slow(x):
+        time.sleep(0.05)
+        return x
+
+    @tf.function
+    def elapsed(x):
+        start = link_probe._now([x])
+        with tf.control_dependencies([start]):
+            x = tf.identity(x)
+        y = tf.numpy_function(slow, [x], tf.float32, stateful=False)
+        return link_probe._now([y]) - start
+
+    assert elapsed(tf.ones(3)).numpy() >= 0.05

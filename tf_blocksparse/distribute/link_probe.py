@@ -3,8 +3,8 @@
 Run eagerly in cross-replica context (every worker of a ``MultiWorkerMirroredStrategy``
 calls them together: they run collectives):
 
-- :func:`time_collectives`: seconds of one all-reduce and one all-gather of the strategy's
-  real collectives, per probe size;
+- :func:`time_collectives` / :func:`grown_probes`: seconds of one all-reduce or all-gather
+  of the strategy's real collectives, per probe size;
 - :func:`time_compression`: seconds of one replica's compression work per fusion group,
   timed locally;
 - :func:`agree_mean` / :func:`from_first_replica`: the mean of every worker's measurements,
@@ -13,6 +13,7 @@ calls them together: they run collectives):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,96 +22,136 @@ import tensorflow as tf
 
 from tf_blocksparse import codec
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.timing import median_seconds
 
-__all__ = ["agree_mean", "from_first_replica", "grown_probes", "time_collective",
-           "time_collectives", "time_compression"]
+__all__ = ["Probe", "agree_mean", "from_first_replica", "grown_probes", "time_collectives",
+           "time_compression"]
 
 _SUM = tf.distribute.ReduceOp.SUM
+_KINDS = ("sum", "gather")
+
+#: A probe: ``(kind, bytes per replica)``, kind ``"sum"`` (all-reduce) or ``"gather"``.
+Probe = tuple[str, int]
+
+_PROBES: dict[tuple[int, tuple[Probe, ...]], Callable[[], np.ndarray]] = {}
 
 
-_PROBES: dict[tuple[int, int, int, str], Callable[[], Any]] = {}
+def _now(after: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+    """The host clock (seconds) once every tensor of ``after`` is computed, inside a graph.
+
+    The tensors are inputs (one element of each), not control dependencies: Grappler turns
+    a stateless op whose results only feed control edges into a no-op, so it would not run
+    before the clock is read.  A ``py_function``, not ``tf.timestamp``: that op refuses to
+    run once ``tf.config.experimental.enable_op_determinism()`` was called.
+    """
+    firsts = [tf.reshape(t, [-1])[:1] for t in after]
+    return tf.py_function(lambda *_: np.float64(time.perf_counter()), firsts, tf.float64)
 
 
-def _chain(strategy: tf.distribute.Strategy, elements: int, repeats: int, kind: str
-           ) -> tuple[Callable[[], Any], bool]:
-    """A function running ``repeats`` dependent collectives of ``elements`` float32s (traced
-    once per strategy and shape, so a re-measurement does not trace again), and whether it
-    is new (not yet traced)."""
-    key = (id(strategy), elements, repeats, kind)
-    new = key not in _PROBES
-    if new:
-        _PROBES[key] = _make_chain(strategy, elements, repeats, kind)
-    return _PROBES[key], new
-
-
-def _make_chain(strategy: tf.distribute.Strategy, elements: int, repeats: int, kind: str
-                ) -> Callable[[], Any]:
+def _make_probe(strategy: tf.distribute.Strategy, probes: tuple[Probe, ...]
+                ) -> Callable[[], np.ndarray]:
+    """One traced function running ``probes`` one after the other, each collective timed
+    inside the graph (the clock read before and after it), so neither the call's dispatch
+    nor the workers' arrival skew (a small all-reduce first lines them up) is counted."""
 
     def replica_fn() -> tf.Tensor:
         ctx = tf.distribute.get_replica_context()
-        x = tf.ones((elements,), tf.float32)
-        for _ in range(repeats):
-            y = ctx.all_reduce(_SUM, x) if kind == "sum" else \
-                ctx.all_gather(x, axis=0)[:elements]
-            x = 0.5 * y
-        return tf.reduce_sum(x)
+        ready = ctx.all_reduce(_SUM, tf.ones((1,), tf.float32))  # every worker arrived
+        stamp = _now([ready])
+        stamps = [stamp]
+        for kind, nbytes in probes:
+            elements = max(1, nbytes // 4)
+            with tf.control_dependencies([stamp]):
+                x = tf.ones((elements,), tf.float32)
+            y = ctx.all_reduce(_SUM, x) if kind == "sum" else ctx.all_gather(x, axis=0)
+            stamp = _now([y])
+            stamps.append(stamp)
+        stacked = tf.stack(stamps)
+        return stacked[1:] - stacked[:-1]
 
     @tf.function(autograph=False)
     def probe() -> Any:
         return strategy.run(replica_fn)
 
-    return lambda: [t.numpy() for t in strategy.experimental_local_results(probe())]
+    # this worker's first replica: the collectives make every replica wait for the slowest
+    return lambda: strategy.experimental_local_results(probe())[0].numpy()
 
 
-def time_collective(strategy: tf.distribute.Strategy, nbytes: int, repeats: int, kind: str
-                    ) -> float:
-    """Seconds of one all-reduce (``kind="sum"``) or all-gather (``"gather"``) of ``nbytes``
-    per replica.
+def time_collectives(strategy: tf.distribute.Strategy, probes: Sequence[Probe],
+                     calls: int = 3) -> list[float]:
+    """Seconds of one collective per probe, on this worker (not agreed: :func:`agree_mean`).
 
-    The probe runs ``repeats`` collectives back to back in one function, so the per-call
-    dispatch cost is shared; the median of three calls is taken.  Not agreed across workers
-    (see :func:`agree_mean`).
+    All probes run in one traced function (traced and set up once per strategy and probe
+    list: the set-up of each collective op on its first run costs more than timing it), in
+    order, each timed inside the graph; the median over ``calls`` calls is taken, after one
+    untimed first call.
+
+    Args:
+      strategy: Whose collectives are timed; call eagerly in cross-replica context, on
+        every worker together.
+      probes: ``(kind, nbytes)``: an all-reduce (``"sum"``) of ``nbytes`` or an all-gather
+        (``"gather"``) of ``nbytes`` per replica.
+      calls: Timed calls (>= 1).
+
+    Raises:
+      ValueError: An unknown kind, a size below 1, or ``calls`` < 1.
     """
-    if kind not in ("sum", "gather"):
-        raise ValueError(f"`kind` must be 'sum' or 'gather', got {kind!r}")
-    probe, new = _chain(strategy, max(1, int(nbytes) // 4), repeats, kind)
-    return median_seconds(probe, 3, 1 if new else 0) / repeats  # warm-up: the trace
+    probes = tuple((kind, int(nbytes)) for kind, nbytes in probes)
+    bad = [p for p in probes if p[0] not in _KINDS or p[1] < 1]
+    if bad or not probes:
+        raise ValueError(f"`probes` must be (kind, nbytes) pairs, kind in {_KINDS} and "
+                         f"nbytes >= 1; got {list(probes)!r}")
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"`calls` must be an int >= 1, got {calls!r}")
+    key = (id(strategy), probes)
+    if key not in _PROBES:
+        _PROBES[key] = _make_probe(strategy, probes)
+        _PROBES[key]()  # trace and first run: each collective op's set-up
+    runs = np.stack([_PROBES[key]() for _ in range(calls)])
+    return [float(t) for t in np.median(runs, axis=0)]
 
 
-def time_collectives(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int
-                     ) -> tuple[list[float], list[float]]:
-    """:func:`time_collective` of both kinds per size (bytes per replica).
+def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], calls: int,
+                 until_s: float, caps: dict[str, int]
+                 ) -> dict[str, tuple[list[int], list[float]]]:
+    """Times every kind of ``caps`` at ``sizes``, then grows each kind's largest size 4x
+    at a time while one collective of it (every worker's mean: all workers grow alike)
+    took less than ``until_s`` and the size is below the kind's cap.
+
+    Sizes are capped at the kind's cap while two distinct sizes remain (nothing larger
+    than needed is timed); a grown size is capped too, and left out when that is less
+    than twice the size before (a probe barely larger than the last adds a set-up, not
+    information).  Each round times all kinds in one :func:`time_collectives` call.
+
+    Args:
+      strategy: Whose collectives are timed (every worker calls together).
+      sizes: Base sizes in bytes (two or more distinct).
+      calls: Timed calls per round.
+      until_s: Grow while the largest probe took less than this (seconds).
+      caps: Per kind (``"sum"``, ``"gather"``), the most bytes a probe needs.
 
     Returns:
-      ``(sum_s, gather_s)``, one entry per size.
+      Per kind, the sizes timed and their seconds (this worker's own figures).
     """
-    sums = [time_collective(strategy, s, repeats, "sum") for s in sizes]
-    gathers = [time_collective(strategy, s, repeats, "gather") for s in sizes]
-    return sums, gathers
-
-
-def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], repeats: int,
-                 kind: str, until_s: float, cap_bytes: int) -> tuple[list[int], list[float]]:
-    """Times ``kind`` at ``sizes`` (capped at ``cap_bytes`` while two distinct sizes remain),
-    then at 4x the largest size again and again while one collective (every worker's mean:
-    all workers grow alike) took less than ``until_s`` and the size is below ``cap_bytes``
-    (the last size is capped at it, and left out when that is less than twice the size
-    before: a probe barely larger than the last adds a trace, not information).
-
-    Returns:
-      The sizes timed and their seconds (this worker's own figures).
-    """
-    capped = sorted({min(int(s), int(cap_bytes)) for s in sizes})
-    sizes = capped if len(capped) >= 2 else list(sizes)  # nothing larger than needed
-    times = [time_collective(strategy, s, repeats, kind) for s in sizes]
-    last = agree_mean(strategy, times[-1:])[0]
-    while last < until_s and min(int(cap_bytes), 4 * sizes[-1]) >= 2 * sizes[-1]:
-        sizes.append(min(int(cap_bytes), 4 * sizes[-1]))
-        # one collective per call: at these sizes the dispatch cost is noise
-        times.append(time_collective(strategy, sizes[-1], 1, kind))
-        last = agree_mean(strategy, times[-1:])[0]
-    return sizes, times
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for kind, cap in caps.items():
+        capped = sorted({min(int(s), int(cap)) for s in sizes})
+        out[kind] = (capped if len(capped) >= 2 else sorted(set(map(int, sizes))), [])
+    todo = {kind: list(kind_sizes) for kind, (kind_sizes, _) in out.items()}
+    while todo:
+        probes = [(kind, s) for kind, kind_sizes in todo.items() for s in kind_sizes]
+        times = time_collectives(strategy, probes, calls)
+        for (kind, _), t in zip(probes, times):
+            out[kind][1].append(t)
+        kinds = list(todo)
+        last = agree_mean(strategy, [out[kind][1][-1] for kind in kinds])
+        todo = {}
+        for kind, t in zip(kinds, last):
+            kind_sizes, cap = out[kind][0], int(caps[kind])
+            grown = min(cap, 4 * kind_sizes[-1])
+            if t < until_s and grown >= 2 * kind_sizes[-1]:
+                kind_sizes.append(grown)
+                todo[kind] = [grown]
+    return out
 
 
 def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequence[Any]],
@@ -118,53 +159,63 @@ def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequenc
     """Seconds of one replica's compression of each group on the current device.
 
     Accumulate, score, select, residual update and packing of what is sent, as the
-    exchange does them, on random gradients of the group's shapes (``None``: 0 s).
+    exchange does them, on random gradients of the group's shapes (``None``, or every
+    variable sent whole: 0 s).  Every group runs in one traced function, one after the
+    other, each timed inside the graph (one trace for all groups, no dispatch counted);
+    the median over ``repeats`` calls is taken.
 
     Args:
       comps: Per group its compressor (``None``: nothing to compress).
       dtypes: Per group its variables' dtypes.
-      repeats: Timed calls per group (the median is taken).
-      cache: Keeps each group's traced probe (keyed by the compressor's identity: keep the
-        compressors alive as long as the cache), so a re-measurement traces nothing.
+      repeats: Timed calls (>= 1).
+      cache: Keeps the traced probe (keyed by the compressors' identities: keep them
+        alive as long as the cache), so a re-measurement traces nothing.
     """
-    rng = np.random.default_rng(0)
-    out = []
-    for comp, types in zip(comps, dtypes):
-        if comp is None or all(comp.whole):
-            out.append(0.0)
-            continue
-        key = (id(comp), tuple(tf.as_dtype(dt).name for dt in types))
-        cached = None if cache is None else cache.get(key)
-        if cached is None:
-            grads = [tf.constant(rng.standard_normal(lay.shape), tf.as_dtype(dt))
-                     for lay, dt in zip(comp.layouts, types)]
-            state = [tf.zeros_like(g) for g in grads]
-            cached = _compress_probe(comp, grads, state)
-            if cache is not None:
-                cache[key] = cached
-            out.append(median_seconds(cached, repeats))
-        else:  # traced by an earlier measurement: no warm-up
-            out.append(median_seconds(cached, repeats, warmup=0))
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"`repeats` must be an int >= 1, got {repeats!r}")
+    timed = [i for i, c in enumerate(comps) if c is not None and not all(c.whole)]
+    out = [0.0] * len(comps)
+    if not timed:
+        return out
+    key = tuple((id(comps[i]), tuple(tf.as_dtype(dt).name for dt in dtypes[i]))
+                for i in timed)
+    probe = None if cache is None else cache.get(key)
+    if probe is None:
+        probe = _compress_probe([comps[i] for i in timed], [dtypes[i] for i in timed])
+        probe()  # trace and first run
+        if cache is not None:
+            cache[key] = probe
+    seconds = np.median(np.stack([probe() for _ in range(repeats)]), axis=0)
+    for i, t in zip(timed, seconds):
+        out[i] = float(t)
     return out
 
 
-def _compress_probe(comp: BlockTopK, grads: list, state: list) -> Callable[[], Any]:
-    """A call of ``comp``'s compression of ``grads`` over ``state``, its results fetched.
+def _compress_probe(comps: list[BlockTopK], dtypes: list[Sequence[Any]]
+                    ) -> Callable[[], np.ndarray]:
+    """A call compressing each group's random gradients in turn; returns each group's
+    seconds (clock read in the graph before and after it).
 
     State in and out as tensors, no variables: under a strategy's scope they would be
     mirrored, and the probe would time the strategy's bookkeeping.
     """
+    rng = np.random.default_rng(0)
+    grads = [[tf.constant(rng.standard_normal(lay.shape), tf.as_dtype(dt))
+              for lay, dt in zip(comp.layouts, types)] for comp, types in zip(comps, dtypes)]
 
     @tf.function(autograph=False)
-    def compress(grads: list, state: list) -> tuple[Any, Any]:
-        payload, new = comp.compress(grads, state)
-        return new, tf.size(codec.pack([tf.cast(v, tf.float32) for v in payload.values]))
+    def compress(grads: list) -> tf.Tensor:
+        stamps = [_now()]
+        for comp, group in zip(comps, grads):
+            with tf.control_dependencies([stamps[-1]]):  # starts when the last one ended
+                group = [tf.identity(g) for g in group]
+            payload, new = comp.compress(group, [tf.zeros_like(g) for g in group])
+            sent = codec.pack([tf.cast(v, tf.float32) for v in payload.values])
+            stamps.append(_now([sent, *new]))
+        stacked = tf.stack(stamps)
+        return stacked[1:] - stacked[:-1]
 
-    def run() -> Any:
-        new, size = compress(grads, state)
-        return size.numpy(), [t.shape for t in new]
-
-    return run
+    return lambda: compress(grads).numpy()
 
 
 _AGREE: dict[tuple[int, int, bool], Callable[[tf.Tensor], Any]] = {}

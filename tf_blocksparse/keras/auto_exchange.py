@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -125,7 +126,8 @@ class ExchangeChooser:
             self.on_change(old, self.modes)
 
     def decide(self, compute_s: float | None = None, remeasure: bool = True,
-               hysteresis: bool = True) -> ExchangeDecision | None:
+               hysteresis: bool = True, switch_s: float = 0.0,
+               steps_left: float | None = None) -> ExchangeDecision | None:
         """Measures, decides and sets :attr:`modes`; every worker must call it together
         (collectives), eagerly in cross-replica context.
 
@@ -137,18 +139,21 @@ class ExchangeChooser:
             last decision's measurements (only ``compute_s`` is new).
           hysteresis: Keep the current modes unless the new ones are predicted faster by
             the policy's ``hysteresis``.
+          switch_s: What a change of modes costs once (seconds: the step's re-trace).
+          steps_left: Steps still to train; with it, the current modes are kept unless the
+            new ones save more than ``switch_s`` over them (``None``: not weighed).
 
         Returns:
           The decision (``None`` with a single replica: every group dense, not measured).
         """
         start = time.perf_counter()
         try:
-            return self._decide(compute_s, remeasure, hysteresis)
+            return self._decide(compute_s, remeasure, hysteresis, switch_s, steps_left)
         finally:
             self.measure_s += time.perf_counter() - start
 
-    def _decide(self, compute_s: float | None, remeasure: bool, hysteresis: bool
-                ) -> ExchangeDecision | None:
+    def _decide(self, compute_s: float | None, remeasure: bool, hysteresis: bool,
+                switch_s: float, steps_left: float | None) -> ExchangeDecision | None:
         strategy, policy = self.strategy, self.policy
         if strategy.num_replicas_in_sync <= 1:
             self.set_modes(["dense"] * len(self.groups))
@@ -164,13 +169,14 @@ class ExchangeChooser:
             costs = self._costs(link, compute)
             if not measured:  # every worker derives the same prior from the agreed costs
                 compute = policy.prior_compute_s(costs)
-            decision = policy.decide(link, costs, compute,
-                                     self.modes if hysteresis else None)
+            decision = policy.decide(link, costs, compute, self.modes, hysteresis=hysteresis,
+                                     switch_s=switch_s, steps_left=steps_left)
             codes = link_probe.from_first_replica(strategy, [CANDIDATES.index(m)
                                                              for m in decision.modes])
         modes = [CANDIDATES[c] for c in codes]
         if modes != list(decision.modes):  # a near tie decided differently: replica 0 wins
-            decision = policy.decide(link, costs, compute, modes)
+            decision = policy.decide(link, costs, compute, modes, hysteresis=False,
+                                     switch_s=math.inf, steps_left=1.0)
         self.set_modes(modes, decision)
         _LOG.info("auto exchange: %s (predicted step %.1f ms, all dense %.1f ms)",
                   ",".join(modes), 1e3 * decision.step_s, 1e3 * decision.dense_step_s)
@@ -181,12 +187,11 @@ class ExchangeChooser:
         policy, strategy, sizes = self.policy, self.strategy, self._untimed
         # all-reduces up to every group's dense bytes at once, all-gathers up to their ids
         # and values: the largest buffers a decision could put on the link
-        sum_sizes, sum_s = link_probe.grown_probes(
-            strategy, policy.probe_bytes, policy.probe_repeats, "sum", policy.probe_seconds,
-            sum(g.dense_bytes for g in sizes))
-        gather_sizes, gather_s = link_probe.grown_probes(
-            strategy, policy.probe_bytes, policy.probe_repeats, "gather",
-            policy.probe_seconds, sum(g.id_bytes + g.value_bytes for g in sizes))
+        probed = link_probe.grown_probes(
+            strategy, policy.probe_bytes, policy.probe_repeats, policy.probe_seconds,
+            {"sum": sum(g.dense_bytes for g in sizes),
+             "gather": sum(g.id_bytes + g.value_bytes for g in sizes)})
+        (sum_sizes, sum_s), (gather_sizes, gather_s) = probed["sum"], probed["gather"]
         agreed = link_probe.agree_mean(strategy, [*sum_s, *gather_s, compute_s])
         n = len(sum_sizes)
         link = LinkCost.fit(sum_sizes, agreed[:n], agreed[n:-1], gather_sizes)
@@ -229,6 +234,7 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         self._next = 0
         self._t0 = 0.0
         self._walls: list[float] = []
+        self._first_s: float | None = None  # the first step: trace and first run
         self._window_start: tuple[float, float] | None = None
         self.decisions: list[tuple[int, ExchangeDecision]] = []
         self.initial: ExchangeDecision | None = None
@@ -262,6 +268,8 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         self._walls.append(time.perf_counter() - self._t0)
         self._steps += 1
         if self._window_start is None:  # the first step traces: leave it out
+            if self._first_s is None:
+                self._first_s = self._walls[-1]
             self._window_start = self._totals(opt)
             self._walls = []
             return
@@ -269,11 +277,17 @@ class AutoExchangeCallback(keras.callbacks.Callback):
             return
         total, steps = self._totals(opt)
         exchange_s = (total - self._window_start[0]) / max(1.0, steps - self._window_start[1])
-        compute_s = max(0.0, float(np.median(self._walls)) - exchange_s)
+        step_s = float(np.median(self._walls))
+        compute_s = max(0.0, step_s - exchange_s)
         chooser = opt.exchange_chooser
         before = list(chooser.modes)
         first = not self.decisions  # the build-time choice knew no compute time: provisional
-        decision = chooser.decide(compute_s, remeasure=not first, hysteresis=not first)
+        switch_s = max(0.0, (self._first_s or 0.0) - step_s)  # a re-trace costs about that
+        params = self.params or {}
+        epochs, steps = params.get("epochs"), params.get("steps")
+        steps_left = max(0, epochs * steps - self._steps) if epochs and steps else None
+        decision = chooser.decide(compute_s, remeasure=not first, hysteresis=not first,
+                                  switch_s=switch_s, steps_left=steps_left)
         if decision is not None:
             self.decisions.append((self._steps, decision))
             if list(decision.modes) != before:

@@ -68,8 +68,8 @@ class AutoExchangeRuntime:
         self._variables = list(variables)
         self.chooser = ExchangeChooser(self._owner.exchange, strategy, groups, compressors,
                                        dtypes)
-        if can_measure():
-            self.chooser.decide()
+        if can_measure():  # nothing is traced yet: free to choose any modes
+            self.chooser.decide(hysteresis=False)
         self.chooser.on_change = self._on_modes_change
 
     def in_dense_group(self, variable: int) -> bool:

@@ -261,7 +261,8 @@ class AutoExchange:
         hashable); read it per mode with :meth:`convergence_cost_of`.
       probe_bytes: Buffer sizes (bytes, two or more distinct) the collectives are timed
         with.
-      probe_repeats: Collectives per timed probe (>= 1).
+      probe_repeats: Timed runs of every probe, collective or compression; the median is
+        taken (>= 1).
       probe_seconds: Beyond ``probe_bytes``, probes grow 4x at a time until one collective
         takes this long (or the size reaches all the bytes the groups could send at once), so
         the per-byte cost is timed where the link's bandwidth shows, not its burst allowance
@@ -333,7 +334,8 @@ class AutoExchange:
         _number("compute_prior", self.compute_prior)
 
     def decide(self, link: LinkCost, groups: Sequence[GroupCost], compute_s: float = 0.0,
-               current: Sequence[str] | None = None) -> ExchangeDecision:
+               current: Sequence[str] | None = None, *, hysteresis: bool = True,
+               switch_s: float = 0.0, steps_left: float | None = None) -> ExchangeDecision:
         """The modes that minimise the predicted time to accuracy.
 
         Args:
@@ -341,10 +343,19 @@ class AutoExchange:
           groups: Per fusion group, sizes and compression time.
           compute_s: Measured seconds per step outside the exchange.
           current: The modes in use; kept unless the new choice is predicted faster by
-            more than ``hysteresis``.
+            more than the policy's ``hysteresis`` (if ``hysteresis``) and, when
+            ``steps_left`` is known, unless it saves more than ``switch_s`` over them.
+          hysteresis: Apply the policy's ``hysteresis`` to ``current``.
+          switch_s: Seconds a change of modes costs once (the train step's re-trace).
+          steps_left: Steps still to train (``None``: unknown, ``switch_s`` not weighed).
+            Switching saves ``steps_left * step(current) * (1 - objective(new) /
+            objective(current))`` seconds: the same progress in fewer seconds.
         """
         groups = tuple(groups)
         compute_s = _number("compute_s", compute_s)
+        switch_s = _number("switch_s", switch_s)
+        if steps_left is not None:
+            steps_left = _number("steps_left", steps_left)
         total = max(1, sum(g.dense_bytes for g in groups))
         sparse = [m for m in self.candidates if m in _SPARSE]
 
@@ -383,9 +394,14 @@ class AutoExchange:
                 if evaluate([m] * len(groups))[1] < evaluate(best)[1]:
                     best = [m] * len(groups)
         if current is not None and len(current) == len(groups) and \
-                all(m in CANDIDATES for m in current) and \
-                evaluate(best)[1] > (1 - self.hysteresis) * evaluate(current)[1]:
-            best = list(current)
+                all(m in CANDIDATES for m in current) and list(current) != best:
+            cur_step, cur_objective = evaluate(current)
+            new_objective = evaluate(best)[1]
+            saved = math.inf if steps_left is None else \
+                steps_left * cur_step * (1 - new_objective / max(cur_objective, 1e-12))
+            if (hysteresis and new_objective > (1 - self.hysteresis) * cur_objective) or \
+                    saved <= switch_s:
+                best = list(current)
         step, objective = evaluate(best)
         dense_step, dense_objective = evaluate(dense_modes)
         return ExchangeDecision(tuple(best), link, groups, compute_s, step, dense_step,
