@@ -1,6 +1,9 @@
-"""The package's one timer, against a fake clock."""
+"""The package's timers: the Python one against a fake clock, the in-graph one for real."""
+
+import time
 
 import pytest
+import tensorflow as tf
 
 from tf_blocksparse import timing
 
@@ -26,3 +29,22 @@ def test_median_seconds_warms_up_syncs_and_takes_the_median(monkeypatch):
         timing.median_seconds(fn, repeats=0)
     with pytest.raises(ValueError, match="warmup"):
         timing.median_seconds(fn, repeats=1, warmup=-1)
+
+
+def test_the_in_graph_clock_waits_for_stateless_work():
+    """Grappler drops a stateless op whose result only feeds control edges: the clock must
+    take the work's result as an input, or it would read before (without) the work."""
+
+    def slow(x):
+        time.sleep(0.05)
+        return x
+
+    @tf.function
+    def elapsed(x):
+        start = timing.graph_clock([x])
+        with tf.control_dependencies([start]):
+            x = tf.identity(x)
+        y = tf.numpy_function(slow, [x], tf.float32, stateful=False)
+        return timing.graph_clock([y]) - start
+
+    assert elapsed(tf.ones(3)).numpy() >= 0.05

@@ -1,18 +1,22 @@
-"""The one wall-clock timer of the package's own measurements (TF-free).
+"""The wall-clock timers of the package's own measurements.
 
 Used where the library times something itself: the automatic exchange's link and
-compression probes (:mod:`tf_blocksparse.distribute.link_probe`) and the layer profiler
-(:mod:`tf_blocksparse.keras.profiler`).
+compression probes (:mod:`tf_blocksparse.distribute.link_probe`), the optimizer wrapper's
+time per step and the layer profiler (:mod:`tf_blocksparse.keras.profiler`).
+:func:`median_seconds` times calls from Python; :func:`graph_clock` reads the clock inside
+a TensorFlow graph (TensorFlow is imported there only, so the module stays TF-free).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["median_seconds"]
+import numpy as np
+
+__all__ = ["graph_clock", "median_seconds"]
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,
@@ -43,3 +47,19 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,
             sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def graph_clock(after: Sequence[Any] = ()) -> Any:
+    """Seconds of a monotonic clock (a float64 scalar tensor), read inside a graph once
+    every tensor of ``after`` is computed.
+
+    The tensors are inputs (one element of each), not control dependencies: Grappler turns
+    a stateless op whose results only feed control edges into a no-op, so the work would
+    not run before the clock is read.  A Python call in the graph rather than
+    ``tf.timestamp``, which ``tf.config.experimental.enable_op_determinism()`` forbids.
+    Its value never reaches any training math.
+    """
+    import tensorflow as tf
+
+    firsts = [tf.reshape(t, [-1])[:1] for t in after]
+    return tf.py_function(lambda *_: np.float64(time.perf_counter()), firsts, tf.float64)

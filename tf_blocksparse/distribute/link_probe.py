@@ -13,7 +13,6 @@ calls them together: they run collectives):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import tensorflow as tf
 
 from tf_blocksparse import codec
 from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.timing import graph_clock
 
 __all__ = ["Probe", "agree_mean", "from_first_replica", "grown_probes", "time_collectives",
            "time_compression"]
@@ -35,18 +35,6 @@ Probe = tuple[str, int]
 _PROBES: dict[tuple[int, tuple[Probe, ...]], Callable[[], np.ndarray]] = {}
 
 
-def _now(after: Sequence[tf.Tensor] = ()) -> tf.Tensor:
-    """The host clock (seconds) once every tensor of ``after`` is computed, inside a graph.
-
-    The tensors are inputs (one element of each), not control dependencies: Grappler turns
-    a stateless op whose results only feed control edges into a no-op, so it would not run
-    before the clock is read.  A ``py_function``, not ``tf.timestamp``: that op refuses to
-    run once ``tf.config.experimental.enable_op_determinism()`` was called.
-    """
-    firsts = [tf.reshape(t, [-1])[:1] for t in after]
-    return tf.py_function(lambda *_: np.float64(time.perf_counter()), firsts, tf.float64)
-
-
 def _make_probe(strategy: tf.distribute.Strategy, probes: tuple[Probe, ...]
                 ) -> Callable[[], np.ndarray]:
     """One traced function running ``probes`` one after the other, each collective timed
@@ -56,14 +44,14 @@ def _make_probe(strategy: tf.distribute.Strategy, probes: tuple[Probe, ...]
     def replica_fn() -> tf.Tensor:
         ctx = tf.distribute.get_replica_context()
         ready = ctx.all_reduce(_SUM, tf.ones((1,), tf.float32))  # every worker arrived
-        stamp = _now([ready])
+        stamp = graph_clock([ready])
         stamps = [stamp]
         for kind, nbytes in probes:
             elements = max(1, nbytes // 4)
             with tf.control_dependencies([stamp]):
                 x = tf.ones((elements,), tf.float32)
             y = ctx.all_reduce(_SUM, x) if kind == "sum" else ctx.all_gather(x, axis=0)
-            stamp = _now([y])
+            stamp = graph_clock([y])
             stamps.append(stamp)
         stacked = tf.stack(stamps)
         return stacked[1:] - stacked[:-1]
@@ -205,13 +193,13 @@ def _compress_probe(comps: list[BlockTopK], dtypes: list[Sequence[Any]]
 
     @tf.function(autograph=False)
     def compress(grads: list) -> tf.Tensor:
-        stamps = [_now()]
+        stamps = [graph_clock()]
         for comp, group in zip(comps, grads):
             with tf.control_dependencies([stamps[-1]]):  # starts when the last one ended
                 group = [tf.identity(g) for g in group]
             payload, new = comp.compress(group, [tf.zeros_like(g) for g in group])
             sent = codec.pack([tf.cast(v, tf.float32) for v in payload.values])
-            stamps.append(_now([sent, *new]))
+            stamps.append(graph_clock([sent, *new]))
         stacked = tf.stack(stamps)
         return stacked[1:] - stacked[:-1]
 

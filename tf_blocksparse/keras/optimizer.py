@@ -52,6 +52,7 @@ from tf_blocksparse.keras.optimizer_args import (
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
 from tf_blocksparse.planning.exchange_cost import ExchangeDecision
 from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.timing import graph_clock
 from tf_blocksparse.unitwise import layout_unit_axes
 
 __all__ = ["NONFINITE", "STAT_NAMES", "BlockSparseOptimizer", "discover_owners"]
@@ -240,7 +241,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         idx = [self._get_variable_index(v) for v in tvs]
         ctx = tf.distribute.get_replica_context()
         timed = ctx.num_replicas_in_sync > 1  # one replica: no exchange (and maybe XLA)
-        start = step.clock(grads) if timed else None
+        start = graph_clock(grads) if timed else None
         commits: list[tuple[Any, tf.Tensor]] = []
         if self.clipping:
             clip_vars = [self._clip_states[i] for i in idx]
@@ -290,7 +291,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
                              lambda: tf.group([v.value.assign(s) for v, s in commits]))
         step.apply_inner(self.inner_optimizer, self.nonfinite, result.updates, tvs,
                          result.finite)
-        seconds = step.clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
+        seconds = graph_clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
         step.record_stats(self._stats, result, seconds)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:

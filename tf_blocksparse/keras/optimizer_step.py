@@ -5,7 +5,6 @@ and the inner optimizer's apply.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,17 +36,6 @@ def when_finite(nonfinite: str, finite: tf.Tensor, fn: Any) -> None:
         fn()
     else:
         tf.cond(finite, fn, tf.no_op)
-
-
-def clock(after: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Seconds of a monotonic clock (float64 scalar) once every tensor of ``after`` is
-    computed.
-
-    A Python call in the graph rather than ``tf.timestamp``, which op determinism forbids;
-    its value never reaches the training math.
-    """
-    with tf.control_dependencies(list(after)):
-        return tf.py_function(time.perf_counter, [], tf.float64)
 
 
 def record_stats(stats: keras.Variable, result: ExchangeResult, seconds: tf.Tensor) -> None:
