@@ -284,8 +284,8 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         first = not self.decisions  # the build-time choice knew no compute time: provisional
         switch_s = max(0.0, (self._first_s or 0.0) - step_s)  # a re-trace costs about that
         params = self.params or {}
-        epochs, steps = params.get("epochs"), params.get("steps")
-        steps_left = max(0, epochs * steps - self._steps) if epochs and steps else None
+        epochs, per_epoch = params.get("epochs"), params.get("steps")
+        steps_left = max(0, epochs * per_epoch - self._steps) if epochs and per_epoch else None
         decision = chooser.decide(compute_s, remeasure=not first, hysteresis=not first,
                                   switch_s=switch_s, steps_left=steps_left)
         if decision is not None:
