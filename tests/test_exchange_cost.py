@@ -124,6 +124,17 @@ def test_candidates_and_hysteresis():
                        hysteresis=False).modes == ("shared",)
 
 
+def test_decision_for_given_modes_prices_them_as_decide_does():
+    policy = AutoExchange()
+    chosen = policy.decide(SLOW, [BIG, BIG], 0.1)
+    assert policy.decision_for(SLOW, [BIG, BIG], 0.1, chosen.modes) == chosen
+    forced = policy.decision_for(SLOW, [BIG, BIG], 0.1, ["dense", "dense"])
+    assert forced.modes == ("dense", "dense") and forced.step_s == chosen.dense_step_s
+    for bad in (["dense"], ["dense", "sparse"]):
+        with pytest.raises(ValueError, match="modes"):
+            policy.decision_for(SLOW, [BIG, BIG], 0.1, bad)
+
+
 def test_a_switch_must_pay_for_its_retrace():
     policy = AutoExchange(hysteresis=0.0)
     free = policy.decide(SLOW, [BIG], 0.1)

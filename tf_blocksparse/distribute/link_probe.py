@@ -88,14 +88,23 @@ def time_collectives(strategy: tf.distribute.Strategy, probes: Sequence[Probe],
     if bad or not probes:
         raise ValueError(f"`probes` must be (kind, nbytes) pairs, kind in {_KINDS} and "
                          f"nbytes >= 1; got {list(probes)!r}")
-    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
-        raise ValueError(f"`calls` must be an int >= 1, got {calls!r}")
+    _check_calls("calls", calls)
     key = (id(strategy), probes)
     if key not in _PROBES:
         _PROBES[key] = _make_probe(strategy, probes)
         _PROBES[key]()  # trace and first run: each collective op's set-up
-    runs = np.stack([_PROBES[key]() for _ in range(calls)])
-    return [float(t) for t in np.median(runs, axis=0)]
+    return _median_of_calls(_PROBES[key], calls)
+
+
+def _check_calls(name: str, calls: Any) -> None:
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"`{name}` must be an int >= 1, got {calls!r}")
+
+
+def _median_of_calls(probe: Callable[[], np.ndarray], calls: int) -> list[float]:
+    """Per entry of ``probe``'s result (seconds timed in the graph), the median of
+    ``calls`` calls."""
+    return [float(t) for t in np.median(np.stack([probe() for _ in range(calls)]), axis=0)]
 
 
 def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], calls: int,
@@ -159,8 +168,7 @@ def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequenc
       cache: Keeps the traced probe (keyed by the compressors' identities: keep them
         alive as long as the cache), so a re-measurement traces nothing.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"`repeats` must be an int >= 1, got {repeats!r}")
+    _check_calls("repeats", repeats)
     timed = [i for i, c in enumerate(comps) if c is not None and not all(c.whole)]
     out = [0.0] * len(comps)
     if not timed:
@@ -173,9 +181,8 @@ def time_compression(comps: Sequence[BlockTopK | None], dtypes: Sequence[Sequenc
         probe()  # trace and first run
         if cache is not None:
             cache[key] = probe
-    seconds = np.median(np.stack([probe() for _ in range(repeats)]), axis=0)
-    for i, t in zip(timed, seconds):
-        out[i] = float(t)
+    for i, t in zip(timed, _median_of_calls(probe, repeats)):
+        out[i] = t
     return out
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -175,8 +174,7 @@ class ExchangeChooser:
                                                              for m in decision.modes])
         modes = [CANDIDATES[c] for c in codes]
         if modes != list(decision.modes):  # a near tie decided differently: replica 0 wins
-            decision = policy.decide(link, costs, compute, modes, hysteresis=False,
-                                     switch_s=math.inf, steps_left=1.0)
+            decision = policy.decision_for(link, costs, compute, modes)
         self.set_modes(modes, decision)
         _LOG.info("auto exchange: %s (predicted step %.1f ms, all dense %.1f ms)",
                   ",".join(modes), 1e3 * decision.step_s, 1e3 * decision.dense_step_s)

@@ -358,16 +358,11 @@ class AutoExchange:
         switch_s = _number("switch_s", switch_s)
         if steps_left is not None:
             steps_left = _number("steps_left", steps_left)
-        total = max(1, sum(g.dense_bytes for g in groups))
         sparse = [m for m in self.candidates if m in _SPARSE]
-
         cost = self.convergence_cost_of
 
         def evaluate(modes: Sequence[str]) -> tuple[float, float]:
-            step = compute_s + exchange_seconds(link, groups, modes)
-            delayed = math.fsum(cost(m) * g.delayed_bytes
-                                for g, m in zip(groups, modes) if m != "dense")
-            return step, step * (1 + delayed / total)
+            return self._step_and_objective(link, groups, compute_s, modes)
 
         dense_modes = ["dense"] * len(groups)
 
@@ -404,10 +399,36 @@ class AutoExchange:
             if (hysteresis and new_objective > (1 - self.hysteresis) * cur_objective) or \
                     saved <= switch_s:
                 best = list(current)
-        step, objective = evaluate(best)
-        dense_step, dense_objective = evaluate(dense_modes)
-        return ExchangeDecision(tuple(best), link, groups, compute_s, step, dense_step,
+        return self.decision_for(link, groups, compute_s, best)
+
+    def decision_for(self, link: LinkCost, groups: Sequence[GroupCost], compute_s: float,
+                     modes: Sequence[str]) -> ExchangeDecision:
+        """The :class:`ExchangeDecision` of the given ``modes`` (one per group): their
+        predicted step and objective next to all dense's, nothing chosen.
+
+        Raises:
+          ValueError: ``modes`` does not hold one of :data:`CANDIDATES` per group.
+        """
+        groups = tuple(groups)
+        compute_s = _number("compute_s", compute_s)
+        if len(modes) != len(groups) or any(m not in CANDIDATES for m in modes):
+            raise ValueError(f"`modes` must hold one of {CANDIDATES} per group "
+                             f"({len(groups)}), got {list(modes)!r}")
+        step, objective = self._step_and_objective(link, groups, compute_s, modes)
+        dense_step, dense_objective = self._step_and_objective(
+            link, groups, compute_s, ["dense"] * len(groups))
+        return ExchangeDecision(tuple(modes), link, groups, compute_s, step, dense_step,
                                 objective, dense_objective)
+
+    def _step_and_objective(self, link: LinkCost, groups: Sequence[GroupCost],
+                            compute_s: float, modes: Sequence[str]) -> tuple[float, float]:
+        """Predicted seconds per step of ``modes`` and their time-to-accuracy objective
+        (module docstring)."""
+        step = compute_s + exchange_seconds(link, groups, modes)
+        total = max(1, sum(g.dense_bytes for g in groups))
+        delayed = math.fsum(self.convergence_cost_of(m) * g.delayed_bytes
+                            for g, m in zip(groups, modes) if m != "dense")
+        return step, step * (1 + delayed / total)
 
     def prior_compute_s(self, groups: Sequence[GroupCost]) -> float:
         """The time per step outside the exchange assumed before any step is timed:
