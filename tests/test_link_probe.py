@@ -42,9 +42,11 @@ def test_collective_probes_and_agreement(mirrored2):
         probes = [("sum", 1024), ("sum", 65536), ("gather", 1024), ("gather", 65536)]
         seconds = link_probe.time_collectives(mirrored2, probes, 2)
         assert len(seconds) == 4 and all(np.isfinite(s) and s > 0 for s in seconds)
-        traced = len(link_probe._PROBES)  # the same probes again: nothing traced
-        link_probe.time_collectives(mirrored2, probes, 1)
-        assert len(link_probe._PROBES) == traced
+        probe = link_probe._PROBES[id(mirrored2)]
+        # other sizes, one kind alone: the same function, traced once, nothing set up again
+        link_probe.time_collectives(mirrored2, [("gather", 4096), ("sum", 8), ("sum", 12)], 1)
+        assert link_probe._PROBES[id(mirrored2)] is probe
+        assert probe.function.experimental_get_tracing_count() == 1
         assert link_probe.agree_mean(mirrored2, [1.0, 3.0]) == [1.0, 3.0]
         assert link_probe.from_first_replica(mirrored2, [2, 0, 1]) == [2, 0, 1]
         traced = len(link_probe._AGREE)  # lengths up to 8 share one function per kind
@@ -56,10 +58,10 @@ def test_collective_probes_and_agreement(mirrored2):
 
 def test_probes_grow_until_the_time_or_the_cap(mirrored2):
     with mirrored2.scope():
-        traced = len(link_probe._PROBES)
         out = link_probe.grown_probes(mirrored2, [64, 256], 1, 10.0,
                                       {"sum": 9000, "gather": 5000})
-        assert len(link_probe._PROBES) == traced + 4  # one function per round, both kinds
+        # one function for all rounds, both kinds
+        assert link_probe._PROBES[id(mirrored2)].function.experimental_get_tracing_count() == 1
         sizes, times = out["sum"]
         assert sizes == [64, 256, 1024, 4096, 9000] and len(times) == 5  # capped at 9000
         assert out["gather"][0] == [64, 256, 1024, 4096]  # 5000 would add < 2x: no trace
