@@ -260,6 +260,17 @@ def _train_flags(model: str, budget: dict, seed: int, method: str, target: float
     return out
 
 
+def runs_to_do(kept: list[dict], methods: list[str], seeds: list[int], rerun: list[str]
+               ) -> list[tuple[int, str]]:
+    """``(seed, method)`` of every run to make, seed by seed: each method a seed lacks in
+    ``kept`` or that is in ``rerun``; dense first in each seed (its final accuracy sets the
+    seed's target, so a re-run dense sets it for the runs after it)."""
+    return [(seed, m) for seed in seeds
+            for m in sorted(methods, key=lambda m: m != "dense")
+            if m in rerun or not any(r["method"] == m and r.get("seed", 0) == seed
+                                     for r in kept)]
+
+
 def run_group(model: str, bw: float, budget: dict, methods: list[str], seeds: list[int],
               kept: list[dict], rerun: list[str], on_run: Callable[[list[dict]], None]
               ) -> list[dict] | None:
@@ -269,12 +280,12 @@ def run_group(model: str, bw: float, budget: dict, methods: list[str], seeds: li
     f = FLAGS
     for r in kept:
         r.setdefault("seed", 0)  # files from before --seeds
-    todo = [(seed, m) for seed in seeds for m in methods if m in rerun or
-            not any(r["method"] == m and r["seed"] == seed for r in kept)]
+    todo = runs_to_do(kept, methods, seeds, rerun)
     if not todo:
         return None
-    again = set(todo)
-    runs = [r for r in kept if (r["seed"], r["method"]) not in again]
+    # a kept run stays until its re-run replaces it: every seed keeps its dense run (the
+    # target), so the group can be summarised after every run
+    runs = list(kept)
     order = {m: i for i, m in enumerate(methods)}
     for seed, method in todo:
         target = next((max(r["test_accuracy"] - f.target_drop, 1e-6) for r in runs
@@ -283,7 +294,7 @@ def run_group(model: str, bw: float, budget: dict, methods: list[str], seeds: li
             method, _train_flags(model, budget, seed, method, target), f.num_workers,
             f.density, bandwidth_mbit=bw, latency_ms=f.latency_ms, timeout_s=f.run_timeout_s)
         rec.update(model=model, bandwidth_mbit=bw, seed=seed)
-        runs.append(rec)
+        runs = [r for r in runs if (r["seed"], r["method"]) != (seed, method)] + [rec]
         print(json.dumps({"model": model, "bandwidth_mbit": bw, "method": method,
                           "seed": seed, "final_accuracy": round(rec["test_accuracy"], 4),
                           "train_s": rec["train_s_per_epoch"][-1],

@@ -64,6 +64,17 @@ def test_time_to_accuracy_over_seeds():
         bench_time_to_accuracy.summarise([{**dense, "seed": 0}, {**block, "seed": 1}], 0.003)
 
 
+def test_runs_to_do_fills_gaps_reruns_and_puts_dense_first():
+    kept = [{"method": m, "seed": s} for s in (0, 1) for m in ("dense", "block_shared")]
+    kept.append({"method": "block_auto"})  # a file from before seeds: seed 0
+    todo = bench_time_to_accuracy.runs_to_do(kept, ["block_shared", "block_auto", "dense"],
+                                             [0, 1, 2], ["block_auto", "dense"])
+    # seed by seed, dense first (it sets the seed's target), kept shared runs not repeated
+    assert todo == [(0, "dense"), (0, "block_auto"), (1, "dense"), (1, "block_auto"),
+                    (2, "dense"), (2, "block_shared"), (2, "block_auto")]
+    assert bench_time_to_accuracy.runs_to_do(kept, ["dense", "block_shared"], [0, 1], []) == []
+
+
 def test_spread_and_seed_list():
     assert experiments.spread([None, None]) is None
     assert experiments.spread([2.0]) == {"mean": 2.0, "std": 0.0, "min": 2.0, "max": 2.0,
