@@ -98,10 +98,10 @@ def time_collectives(strategy: tf.distribute.Strategy, probes: Sequence[Probe],
         raise ValueError(f"`probes` must be (kind, nbytes) pairs, kind in {_KINDS} and "
                          f"nbytes >= 1; got {list(probes)!r}")
     _check_calls("calls", calls)
-    key = id(strategy)
-    if key not in _PROBES:
-        _PROBES[key] = _make_probe(strategy)
-        _PROBES[key](1, 1)  # trace and first run: each collective op's set-up
+    probe = _PROBES.get(id(strategy))
+    if probe is None:
+        probe = _PROBES[id(strategy)] = _make_probe(strategy)
+        probe(1, 1)  # trace and first run: each collective op's set-up
     sums = [i for i, (kind, _) in enumerate(probes) if kind == "sum"]
     gathers = [i for i, (kind, _) in enumerate(probes) if kind == "gather"]
     out = [0.0] * len(probes)
@@ -109,7 +109,7 @@ def time_collectives(strategy: tf.distribute.Strategy, probes: Sequence[Probe],
         s = sums[row] if row < len(sums) else None
         g = gathers[row] if row < len(gathers) else None
         lengths = [1 if i is None else max(1, probes[i][1] // 4) for i in (s, g)]
-        timed = _median_of_calls(lambda n=lengths: _PROBES[key](*n), calls)
+        timed = _median_of_calls(lambda n=lengths: probe(*n), calls)
         for i, t in zip((s, g), timed):
             if i is not None:
                 out[i] = t
@@ -136,7 +136,7 @@ def grown_probes(strategy: tf.distribute.Strategy, sizes: Sequence[int], calls: 
 
     Sizes are capped at the kind's cap while two distinct sizes remain (nothing larger
     than needed is timed); a grown size is capped too, and left out when that is less
-    than twice the size before (a probe barely larger than the last adds a set-up, not
+    than twice the size before (a probe barely larger than the last adds timed calls, not
     information).  Each round times all kinds in one :func:`time_collectives` call.
 
     Args:
