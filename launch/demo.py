@@ -1,11 +1,14 @@
 """The main job: two local workers under MultiWorkerMirroredStrategy: dense, the one-line
-block default, and the literal block configuration, side by side.
+block default, the default compression always applied, and the literal block configuration,
+side by side.
 
 - ``dense``: ``BlockSparseOptimizer(SGD(0.05, momentum=0.9), exchange="dense")`` (a plain
   all-reduce);
-- ``block default``: ``BlockSparseOptimizer(SGD(0.05, momentum=0.9))``: one block per
-  variable, the momentum moved before the exchange (DGC correction), variables under 1,024
-  elements sent whole;
+- ``block default``: ``BlockSparseOptimizer(SGD(0.05, momentum=0.9))``: the automatic
+  exchange (``exchange="auto"``), which measures the link and compression and sends dense
+  where compression does not pay (on loopback it does not);
+- ``block k=1``: ``exchange="allgather"``: one block per variable, the momentum moved before
+  the exchange (DGC correction), variables under 1,024 elements sent whole;
 - ``block literal``: one block of every variable, global momentum after the exchange
   (``momentum_correction=None, dense_below=0``).
 

@@ -29,9 +29,13 @@ _K1 = ("--compression=block", "--k=1", "--exchange=allgather")
 #: library's defaults for what it does not set.
 METHODS: dict[str, tuple[str, ...]] = {
     "dense": ("--compression=dense",),
-    # BlockSparseOptimizer(SGD(lr, momentum=0.9)): k=1, momentum before the exchange (DGC
-    # correction), variables under 1,024 elements sent whole.
-    "block_default": ("--compression=block",),
+    # The one-line default BlockSparseOptimizer(SGD(lr, momentum=0.9)): the automatic
+    # exchange over one fusion group (dense where compression does not pay), k=1 when sparse.
+    "block_auto_default": ("--compression=block", "--exchange=auto"),
+    # The default compression, always applied: BlockSparseOptimizer(SGD(lr, momentum=0.9),
+    # exchange="allgather"): k=1, momentum before the exchange (DGC correction), variables
+    # under 1,024 elements sent whole (the one-line default before the automatic exchange).
+    "block_default": ("--compression=block", "--exchange=allgather"),
     "block_allgather": ("--compression=block", "--density={density}", "--exchange=allgather"),
     "block_shared": ("--compression=block", "--density={density}", "--exchange=shared"),
     # Per fusion group (256 KiB buffers) dense or block-sparse, from measured link and
@@ -48,8 +52,8 @@ METHODS: dict[str, tuple[str, ...]] = {
     "topk_1pct": ("--compression=topk", "--density=0.01", "--exchange=allgather"),
 }
 #: The methods of ``launch.demo`` under the names its table prints.
-DEMO_METHODS = {"dense": "dense", "block default": "block_default",
-                "block literal": "block_source"}
+DEMO_METHODS = {"dense": "dense", "block default": "block_auto_default",
+                "block k=1": "block_default", "block literal": "block_source"}
 #: The methods ``launch.bench_convergence`` may run, in its table's order.
 CONVERGENCE_METHODS = ("dense", "block_default", "block_source", "block_k1_dgc",
                        "block_k1_waited", "topk_1pct")

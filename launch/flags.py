@@ -88,10 +88,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("density", None, "Fraction of blocks (elements for topk) kept per "
                        "variable; exclusive with --k. topk defaults to 0.01.", **fv)
     flags.DEFINE_enum("metric", "l1", list(METRICS), "Block score.", **fv)
-    flags.DEFINE_enum("exchange", "allgather", [*SPARSE_EXCHANGES, AUTO_EXCHANGE],
-                      "Sparse exchange mode (ignored for --compression=dense); auto: per "
-                      "fusion group dense or sparse, whichever a cost model of measured "
-                      "link and compression times predicts fastest to accuracy.", **fv)
+    flags.DEFINE_enum("exchange", AUTO_EXCHANGE, [*SPARSE_EXCHANGES, AUTO_EXCHANGE],
+                      "Exchange mode (ignored for --compression=dense); auto (the library's "
+                      "default): per fusion group dense or sparse, whichever a cost model "
+                      "of measured link and compression times predicts fastest to "
+                      "accuracy; allgather / shared always compress.", **fv)
     flags.DEFINE_integer("fusion_buffer_bytes", 0, "Exchange the gradients in balanced "
                          "fusion groups of about this many bytes (one set of collectives per "
                          "group; --exchange=auto decides per group); 0: one group.",

@@ -325,3 +325,37 @@ def test_an_inner_optimizer_that_needs_the_residual_as_a_gradient_flushes_in_the
         plain = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="auto")
     assert not opt._auto.flush_at_switch and not clipped._auto.flush_at_switch
     assert plain._auto.flush_at_switch
+
+
+def test_the_keyword_default_is_auto_and_an_options_object_keeps_its_own():
+    assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1)).compression.auto
+    assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=2).compression.auto
+    assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1),
+                                     tfbs.CompressionOptions()).exchange == "allgather"
+    assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1),
+                                     exchange="shared").exchange == "shared"
+
+
+@pytest.mark.parametrize("own_callback", [False, True])
+def test_fit_re_decides_without_a_callback_given_and_never_twice(mirrored2, own_callback):
+    """``model.fit`` of a default optimizer adds the automatic exchange's callback (the
+    re-decision after ``warmup_steps`` happens), and a callback the user gave is not
+    doubled: one re-decision either way."""
+    policy = tfbs.AutoExchange(warmup_steps=4, remeasure_steps=0)
+    with mirrored2.scope():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), exchange=policy)
+        model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        opt.build(model.trainable_variables)
+    initial = opt.exchange_decision
+    chooser = opt.exchange_chooser
+    decide, calls = chooser.decide, []
+    chooser.decide = lambda *a, **kw: calls.append(kw) or decide(*a, **kw)
+    given = [tfbs.AutoExchangeCallback()] if own_callback else []
+    model.fit(X, (X[:, 0] > 0).astype("int32"), batch_size=8, epochs=2, verbose=0,
+              callbacks=given)  # 4 steps per epoch
+    assert len(calls) == 1
+    assert opt.exchange_decision is not initial and opt.exchange_decision.compute_s > 0
+    if own_callback:
+        assert [step for step, _ in given[0].decisions] == [4]

@@ -170,7 +170,7 @@ def test_bad_arguments_are_named(make, name):
 
 def test_optimizer_rejects_bad_clipping_at_construction():
     with pytest.raises(TypeError, match="`clipping`"):
-        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), clipping="value")
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), clipping="value", exchange="allgather")
 
 
 # ------------------------------------------------------------------ in the optimizer
@@ -215,7 +215,8 @@ def test_per_replica_state_and_nonfinite_skip(mirrored2):
     with mirrored2.scope():
         var = keras.Variable(np.zeros((3,), "float32"))
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, dense_below=0,
-                                        clipping=clip.MomentumClip(warmup_steps=1))
+                                        clipping=clip.MomentumClip(warmup_steps=1),
+                                        exchange="allgather")
         opt.build([var])
     state = opt.clip_states[0][0]
     _replica_apply(mirrored2, opt, var, [np.full(3, 1.0, "float32"), np.full(3, 3.0, "float32")])
@@ -299,7 +300,8 @@ def test_clip_state_checkpoint_and_config_round_trip(tmp_path):
              clip.MomentumClip(3.0, 0.8, 2)]
     model = _model()
     model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1,
-                                                      clipping=rules), loss="mse")
+                                                      clipping=rules,
+                                                      exchange="allgather"), loss="mse")
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((32, 6)).astype("f"), rng.standard_normal((32, 2)).astype("f")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)

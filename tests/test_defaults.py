@@ -1,5 +1,6 @@
-"""The one-line default: momentum moved before the exchange, small variables whole; files
-saved before these defaults keep the behaviour they were saved with."""
+"""The one-line default: the automatic exchange, momentum moved before a sparse exchange,
+small variables whole; files saved before these defaults keep the behaviour they were saved
+with."""
 
 import os
 
@@ -13,8 +14,20 @@ from tf_blocksparse.keras.optimizer_args import DENSE_BELOW
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
-def test_inner_sgd_momentum_moves_before_the_exchange():
+def test_the_default_is_the_automatic_exchange():
+    """Sparse groups keep the momentum per replica (moved before the exchange), dense ones in
+    the inner SGD, which keeps it for them."""
     opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
+    assert opt.compression.auto and opt.exchange == tfbs.AutoExchange()
+    assert opt.momentum_correction == pytest.approx(0.9)
+    assert opt.inner_optimizer.momentum == pytest.approx(0.9)
+    assert opt.dense_below == DENSE_BELOW == 1024 and opt.k == 1
+    assert opt.momentum_masking == "all"
+
+
+def test_inner_sgd_momentum_moves_before_a_sparse_exchange():
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                    exchange="allgather")
     assert opt.momentum_correction == pytest.approx(0.9)
     assert opt.inner_optimizer.momentum == 0.0
     assert opt.dense_below == DENSE_BELOW == 1024 and opt.k == 1
@@ -47,11 +60,15 @@ def test_a_failed_check_leaves_the_inner_optimizer_alone():
     assert inner.momentum == 0.9
 
 
-def test_config_round_trip_keeps_the_resolved_default():
-    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
+@pytest.mark.parametrize("exchange,inner_momentum", [(None, 0.9), ("allgather", 0.0)])
+def test_config_round_trip_keeps_the_resolved_default(exchange, inner_momentum):
+    kwargs = {} if exchange is None else {"exchange": exchange}
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **kwargs)
     again = tfbs.BlockSparseOptimizer.from_config(opt.get_config())
+    assert again.compression == opt.compression
     assert again.momentum_correction == pytest.approx(0.9)
-    assert again.inner_optimizer.momentum == 0.0 and again.dense_below == 1024
+    assert again.inner_optimizer.momentum == pytest.approx(inner_momentum)
+    assert again.dense_below == 1024
 
 
 def _flat_config(**changes):
@@ -105,7 +122,11 @@ def test_model_saved_by_version_0_1_0_loads_with_its_behaviour():
     assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
 
 
-def test_default_equals_its_explicit_form(mirrored2):
+@pytest.mark.parametrize("exchange", ["auto", "allgather"])
+def test_default_equals_its_explicit_form(mirrored2, exchange):
+    """The keyword defaults spelt out train the same weights bit for bit (the automatic
+    exchange's decision forced sparse, so the two runs cannot decide differently; 8 steps,
+    before its first re-decision), and differ from the literal form."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 6, 6, 1)).astype("float32")
     y = rng.integers(0, 3, 64)
@@ -115,16 +136,24 @@ def test_default_equals_its_explicit_form(mirrored2):
             keras.utils.set_random_seed(2)
             model = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(40, 3),
                                       keras.layers.Flatten(), keras.layers.Dense(3)])
-            model.compile(optimizer=make_opt(), loss=keras.losses.SparseCategoricalCrossentropy(
+            opt = make_opt()
+            model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True))
+            opt.build(model.trainable_variables)
+        if opt.exchange_chooser is not None:
+            opt.exchange_chooser.set_modes(["allgather"] * len(opt.exchange_chooser.modes))
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
         return model.get_weights()
 
-    default = train(lambda: tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)))
+    default_kwargs = {} if exchange == "auto" else {"exchange": exchange}
+    default = train(lambda: tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                      **default_kwargs))
     explicit = train(lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05), momentum_correction=0.9, dense_below=1024))
+        keras.optimizers.SGD(0.05), momentum_correction=0.9, dense_below=1024,
+        exchange=exchange))
     literal = train(lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), momentum_correction=None, dense_below=0))
+        keras.optimizers.SGD(0.05, momentum=0.9), momentum_correction=None, dense_below=0,
+        exchange="allgather"))
     for a, b in zip(default, explicit):
         np.testing.assert_array_equal(a, b)
     assert any(not np.allclose(a, b) for a, b in zip(default, literal))

@@ -18,8 +18,10 @@ def test_demo_runs_and_reports_compression(tmp_path):
     rows = {r["method"]: r for r in json.loads((tmp_path / "results.json").read_text())[
         "results"]}
     assert rows["dense"]["compression_ratio"] == 1.0
-    assert rows["block default"]["compression_ratio"] > 20
-    assert rows["block literal"]["compression_ratio"] > rows["block default"]["compression_ratio"]
+    # the automatic exchange measures loopback: whatever it chose, it sent no more than dense
+    assert rows["block default"]["compression_ratio"] >= 1.0
+    assert rows["block k=1"]["compression_ratio"] > 20
+    assert rows["block literal"]["compression_ratio"] > rows["block k=1"]["compression_ratio"]
     assert all(r["test_examples"] == 1000 for r in rows.values())  # each test image once
     assert all(r["num_workers"] == 2 for r in rows.values())
     assert all(r["test_accuracy"] > 0.15 for r in rows.values())

@@ -136,14 +136,14 @@ NBYTES = [60, 12, 80, 20]  # b/kernel, b/bias, a/kernel, a/bias (float32)
 def test_optimizer_plans_groups_in_reverse_use_order():
     model = _out_of_order()
     derived = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, model=model,
-                                        fusion_buffer_bytes=100)
+                                        fusion_buffer_bytes=100, exchange="allgather")
     derived.build(model.trainable_variables)
     plan = derived.fusion_plan
     assert plan.order == (1, 0, 3, 2)  # b's bias, b's kernel, then a's: reverse of use
     assert plan == plan_backward(NBYTES, ["float32"] * 4, 100, order=(1, 0, 3, 2))
     assert [g.members for g in plan.groups] == [(1, 0, 3), (2,)]  # 92 B, 80 B
     fallback = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1,
-                                         fusion_buffer_bytes=100)
+                                         fusion_buffer_bytes=100, exchange="allgather")
     fallback.build(model.trainable_variables)
     assert fallback.fusion_plan.order == (3, 2, 1, 0)  # no model: reverse of the list
     assert fallback.fusion_plan.groups != plan.groups
@@ -152,7 +152,7 @@ def test_optimizer_plans_groups_in_reverse_use_order():
 def test_optimizer_derives_while_built_lazily_inside_a_tf_function():
     model = _out_of_order()
     opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, model=model,
-                                    fusion_buffer_bytes=100)
+                                    fusion_buffer_bytes=100, exchange="allgather")
     train_lazily(model, opt)
     assert opt.fusion_plan.order == (1, 0, 3, 2)
 
@@ -161,7 +161,7 @@ def test_optimizer_derives_for_mirrored_variables(mirrored2):
     with mirrored2.scope():
         model = _out_of_order()
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, model=model,
-                                        fusion_buffer_bytes=100)
+                                        fusion_buffer_bytes=100, exchange="allgather")
         opt.build(model.trainable_variables)
     assert opt.fusion_plan.order == (1, 0, 3, 2)
 

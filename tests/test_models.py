@@ -16,7 +16,8 @@ SHAPES = ((28, 28, 1), (32, 32, 3))
 
 
 def _compile(model: keras.Model, run_eagerly: bool = False) -> None:
-    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), k=1)
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), k=1,
+                                    exchange="allgather")
     model.compile(optimizer=opt, run_eagerly=run_eagerly,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
@@ -129,7 +130,8 @@ def test_gru_nmt_learns_with_block_sparse_exchange() -> None:
     model = registry.build_model("gru_nmt", (vocab,), vocab, seed=0, embed_dim=16, units=32)
     assert model.output_shape == (None, None, vocab)
     model.compile(
-        optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.Adam(1e-2), density=0.1),
+        optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.Adam(1e-2), density=0.1,
+                                            exchange="allgather"),
         loss=nmt.masked_sparse_ce, metrics=[nmt.token_accuracy])
     hist = model.fit([enc_in, dec_in], target, batch_size=32, epochs=4, verbose=0).history
     assert hist["loss"][-1] < 0.8 * hist["loss"][0], hist

@@ -87,14 +87,16 @@ def test_dense_exchange_equals_global_momentum(mirrored2):
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="momentum_correction"):
         tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                  momentum_correction=0.9)
+                                  momentum_correction=0.9, exchange="allgather")
     for bad in (-0.1, 1.0, float("nan"), "0.9"):
         with pytest.raises(ValueError, match="momentum_correction"):
-            tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), momentum_correction=bad)
+            tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), momentum_correction=bad,
+                                      exchange="allgather")
 
 
 def test_config_round_trip_and_state_in_variables():
-    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, momentum_correction=0.8)
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, momentum_correction=0.8,
+                                    exchange="allgather")
     clone = tfbs.BlockSparseOptimizer.from_config(opt.get_config())
     assert clone.momentum_correction == 0.8
     model = _model()
@@ -102,7 +104,7 @@ def test_config_round_trip_and_state_in_variables():
     assert len(clone.velocities) == len(model.trainable_variables)
     assert all(any(v is u for u in clone.variables) for v in clone.velocities)
     # without momentum correction there is no velocity state
-    plain = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1)
+    plain = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, exchange="allgather")
     plain.build(_model().trainable_variables)
     assert plain.velocities == []
 
@@ -140,4 +142,4 @@ def test_waited_masking_at_density_one_is_momentum_sgd(mirrored2, mode):
 def test_momentum_masking_is_named(bad):
     with pytest.raises(ValueError, match="momentum_masking"):
         tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), momentum_correction=0.9,
-                                  momentum_masking=bad)
+                                  momentum_masking=bad, exchange="allgather")

@@ -67,7 +67,8 @@ def test_replica_weights_identical_residuals_differ(mirrored2, mode):
 
 def test_block_sparse_training_reduces_loss(mirrored2):
     _, _, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), density=0.25, dense_below=0), epochs=6)
+        keras.optimizers.SGD(0.05, momentum=0.9), density=0.25, dense_below=0,
+        exchange="allgather"), epochs=6)
     loss = hist.history["loss"]
     assert loss[-1] < loss[0] * 0.9, loss
 
@@ -106,7 +107,7 @@ def test_config_round_trip():
 
 def test_learning_rate_is_delegated():
     inner = keras.optimizers.SGD(0.1)
-    opt = tfbs.BlockSparseOptimizer(inner)
+    opt = tfbs.BlockSparseOptimizer(inner, exchange="allgather")
     opt.learning_rate = 0.25
     assert float(np.asarray(inner.learning_rate)) == pytest.approx(0.25)
     assert opt.k == 1 and opt.density is None
@@ -129,7 +130,7 @@ def test_bad_arguments_are_named(kwargs, name):
                                    keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())])
 def test_bad_inner_is_a_type_error(inner):
     with pytest.raises(TypeError, match="`inner`"):
-        tfbs.BlockSparseOptimizer(inner)
+        tfbs.BlockSparseOptimizer(inner, exchange="allgather")
 
 
 def test_embedding_indexed_slices(mirrored2):
@@ -143,7 +144,8 @@ def test_embedding_indexed_slices(mirrored2):
     data = (rng.integers(0, 50, (64, 5)).astype("int32"), rng.integers(0, 4, 64).astype("int32"))
     before = model_fn().get_weights()[0]
     model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.1), k=2, dense_below=0), model_fn=model_fn, data=data,
+        keras.optimizers.SGD(0.1), k=2, dense_below=0,
+        exchange="allgather"), model_fn=model_fn, data=data,
         epochs=1)
     emb_layout = opt.layouts[0]
     assert emb_layout.rule.name == "row" and emb_layout.num_blocks == 50
@@ -245,7 +247,7 @@ def test_payload_bytes_with_whole_variables(mirrored2, mode, dense_below):
 def test_no_strategy_custom_loop_and_loss_scale_outside():
     model = _cnn()
     opt = keras.optimizers.LossScaleOptimizer(tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.1), k=2, dense_below=0))
+        keras.optimizers.SGD(0.1), k=2, dense_below=0, exchange="allgather"))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True))
     hist = model.fit(*_xy(), batch_size=16, epochs=3, verbose=0)
@@ -258,7 +260,7 @@ def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path):
     with mirrored2.scope():
         model = _cnn()
         model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1,
-                                                          dense_below=0),
+                                                          dense_below=0, exchange="allgather"),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     cb = tfbs.BlockSparseMetrics(log_dir=str(tmp_path))
     hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
@@ -279,7 +281,7 @@ def test_optimizer_finds_layer_classes_of_renamed_layers():
         keras.Input((6, 6, 3)), keras.layers.Conv2DTranspose(5, 3, name="up"),
         keras.layers.DepthwiseConv2D(3, depth_multiplier=2, name="dw"),
         keras.layers.Flatten(), keras.layers.Dense(4, name="head")])
-    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1))
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="allgather")
     opt.build(model.trainable_variables)
     by_path = {lay.path.split("/", 1)[1]: lay for lay in opt.layouts}
     up = by_path["up/kernel"]  # kernel (3, 3, 5, 3): filters are axis -2
@@ -293,7 +295,7 @@ def test_optimizer_finds_layer_classes_of_renamed_layers():
 def test_element_granularity_is_elementwise_topk(mirrored2):
     model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.05, momentum=0.9), density=0.05, granularity="element",
-        dense_below=0), epochs=1)
+        dense_below=0, exchange="allgather"), epochs=1)
     m = opt.block_sparse_metrics()
     # ceil(5% of each variable's elements): 54 -> 3, 6 -> 1, 864 -> 44, 4 -> 1; int32 id each.
     kept = 3 + 1 + 44 + 1
@@ -303,14 +305,15 @@ def test_element_granularity_is_elementwise_topk(mirrored2):
         for t in r.value.values:
             assert np.count_nonzero(t.numpy() == 0) >= 1
     with pytest.raises(ValueError, match="`granularity`"):
-        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(), granularity="row")
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(), granularity="row", exchange="allgather")
 
 
 def test_dense_on_rank3_input_gradient_with_unknown_static_shape():
     keras.utils.set_random_seed(0)
     inp = keras.Input((None, 6))
     model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(5)(inp)))
-    model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1),
+    model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1,
+                                                      exchange="allgather"),
                   loss="mse")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 4, 6)).astype("float32")
@@ -337,4 +340,5 @@ def test_built_lazily_inside_a_tf_function():
     # apply() may build the optimizer while a tf.function traces (owner discovery must not
     # be autograph-converted).
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    train_lazily(model, tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1))
+    train_lazily(model, tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1,
+                                                  exchange="allgather"))

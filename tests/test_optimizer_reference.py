@@ -143,7 +143,8 @@ def _collectives(strategy, **opt_kwargs) -> tuple[collections.Counter, keras.Mod
 def test_each_fusion_group_has_its_own_collectives(mirrored2):
     from tf_blocksparse.planning import TensorSpec, execution_order, plan_balanced
 
-    ops, model = _collectives(mirrored2, k=1, fusion_buffer_bytes=600, dense_below=0)
+    ops, model = _collectives(mirrored2, k=1, fusion_buffer_bytes=600, dense_below=0,
+                              exchange="allgather")
     specs = [TensorSpec(v.path, 4 * int(np.prod(v.shape))) for v in model.trainable_variables]
     groups = plan_balanced(specs, 600, execution_order(len(specs))).groups
     assert len(groups) > 1
@@ -204,7 +205,7 @@ def test_dense_below_above_every_size_equals_dense_exchange(mirrored2, mode):
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
 def test_bad_dense_below_is_named(bad):
     with pytest.raises(ValueError, match="dense_below"):
-        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), dense_below=bad)
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), dense_below=bad, exchange="allgather")
     with pytest.raises(ValueError, match="dense_below"):
         tfbs.BlockSparseCrossDeviceOps(dense_below=bad)
     with pytest.raises(ValueError, match="dense_below"):

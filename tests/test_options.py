@@ -87,7 +87,7 @@ def test_momentum_policy():
 def test_auto_policy_resolves_against_the_inner_sgd():
     inner = keras.optimizers.SGD(0.1, momentum=0.8)
     opt = tfbs.BlockSparseOptimizer(inner, momentum_correction=tfbs.MomentumCorrection(
-        masking="none"))
+        masking="none"), exchange="allgather")
     assert opt.momentum_policy == tfbs.MomentumCorrection(0.8, masking="none")
     assert inner.momentum == 0.0 and opt.momentum_masking == "none"
 
@@ -111,7 +111,7 @@ def test_options_object_equals_keywords():
 
 
 def test_k_and_density_assignment_replaces_the_options():
-    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=3)
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=3, exchange="allgather")
     first = opt.compression
     opt.k, opt.density = None, 0.25
     assert (opt.k, opt.density) == (None, 0.25) and first.k == 3
@@ -130,20 +130,21 @@ def test_compression_and_keywords_not_both():
     with pytest.raises(ValueError, match="momentum_masking"):
         tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1),
                                   momentum_correction=tfbs.MomentumCorrection(0.5),
-                                  momentum_masking="none")
+                                  momentum_masking="none", exchange="allgather")
 
 
 def test_learning_rate_on_the_wrapper_is_an_error():
     inner = keras.optimizers.SGD(0.1, momentum=0.9)
     with pytest.raises(ValueError, match="`learning_rate` is the inner optimizer's"):
-        tfbs.BlockSparseOptimizer(inner, learning_rate=0.5)
+        tfbs.BlockSparseOptimizer(inner, learning_rate=0.5, exchange="allgather")
     assert inner.momentum == 0.9  # untouched
     assert float(np.asarray(inner.learning_rate)) == pytest.approx(0.1)
 
 
 def test_invalid_block_rules_regex_fails_at_construction():
     with pytest.raises(ValueError, match=r"`block_rules`: pattern 'dense\(' is not a valid"):
-        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), block_rules={"dense(": "single"})
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), block_rules={"dense(": "single"},
+                                  exchange="allgather")
     with pytest.raises(ValueError, match=r"`block_rules`: pattern '\*conv'"):
         tfbs.BlockSparseCrossDeviceOps(block_rules={"*conv": "single"})
 
@@ -152,7 +153,7 @@ def test_gradient_accumulation_in_the_inner_optimizer_is_an_error(mirrored2):
     with mirrored2.scope():
         inner = keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
         with pytest.raises(ValueError, match="`gradient_accumulation_steps`"):
-            tfbs.BlockSparseOptimizer(inner)
+            tfbs.BlockSparseOptimizer(inner, exchange="allgather")
     assert inner.momentum == 0.9
 
 

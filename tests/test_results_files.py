@@ -123,7 +123,7 @@ def test_readme_tables_equal_the_committed_results():
 def test_demo_file():
     doc = _load("demo.json")
     rows = {r["method"]: r for r in doc["results"]}
-    assert set(rows) == {"dense", "block default", "block literal"}
+    assert set(rows) == {"dense", "block default", "block k=1", "block literal"}
     for r in rows.values():
         assert r["test_examples"] == 10_000 and r["num_workers"] == 2
         assert r["test_accuracy"] == r["test_correct"] / r["test_examples"]

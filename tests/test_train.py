@@ -89,7 +89,8 @@ def test_optimizer_flags_follow_the_library_defaults():
     for key in ("k", "density", "metric", "exchange", "momentum_correction", "dense_below",
                 "momentum_masking", "granularity"):
         assert getattr(opt, key) == getattr(lib, key), key
-    assert opt.momentum_correction == 0.9 and opt.inner_optimizer.momentum == 0.0
+    assert opt.compression.auto and opt.momentum_correction == 0.9  # dense groups: inner SGD
+    assert opt.inner_optimizer.momentum == pytest.approx(0.9)
     fv = _flag_values("--global_momentum", "--dense_below=0")
     literal = make_optimizer(fv.compression, fv.k, fv.density, fv.metric, fv.exchange, fv.lr,
                              fv.momentum, fv.global_momentum, fv.dense_below,
@@ -99,7 +100,8 @@ def test_optimizer_flags_follow_the_library_defaults():
 
 
 def test_two_worker_cluster_trains_and_writes_metrics(tmp_path):
-    rc = run_local_cluster([*TRAIN, "--compression=block", "--k=1", "--epochs=3",
+    rc = run_local_cluster([*TRAIN, "--compression=block", "--k=1", "--exchange=allgather",
+                            "--epochs=3",
                             f"--model_dir={tmp_path}"], 2, env=ENV, cwd=ROOT,
                            timeout_s=300)
     assert rc == 0
@@ -148,6 +150,7 @@ def test_deterministic_rerun_reproduces_the_accuracy(tmp_path):
     records = []
     for run in ("a", "b"):
         rc = run_local_cluster([*TRAIN, "--epochs=2", "--steps_per_epoch=6", "--deterministic",
+                                "--exchange=allgather",  # auto's choice is measured
                                 "--seed=3", f"--model_dir={tmp_path / run}"], 2, env=ENV,
                                timeout_s=300)
         assert rc == 0
@@ -165,6 +168,7 @@ def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
     (with "waited" masking) and a density warm-up (every worker re-traces its step at the
     same epoch) run under MultiWorkerMirroredStrategy."""
     rc = run_local_cluster([*TRAIN, "--compression=block", "--density=0.1",
+                            "--exchange=allgather",
                             "--momentum_masking=waited",
                             "--density_warmup=0.5", "--epochs=6", "--steps_per_epoch=5",
                             "--stop_at_accuracy=0.01", "--min_epochs=2",
@@ -182,7 +186,8 @@ def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
 def test_auto_exchange_run_records_every_decision(tmp_path):
     """--exchange=auto: the record holds the build-time choice (step 0) and the re-decision
     after the warm-up, each with its modes and measured inputs."""
-    rc = run_local_cluster([*TRAIN, "--compression=block", "--density=0.1", "--exchange=auto",
+    rc = run_local_cluster([*TRAIN, "--compression=block", "--density=0.1",
+                            "--exchange=allgather", "--exchange=auto",
                             "--fusion_buffer_bytes=4096", "--epochs=2", "--steps_per_epoch=12",
                             f"--model_dir={tmp_path}"], 2, env=ENV, cwd=ROOT, timeout_s=300)
     assert rc == 0
@@ -209,7 +214,8 @@ def test_one_failing_worker_fails_the_run_quickly(tmp_path, capsys):
 
 def test_kill_and_resume_restores_residual_sum(tmp_path):
     args = [*TRAIN, "--epochs=3", "--save_freq=5", f"--model_dir={tmp_path}",
-            "--compression=block", "--k=1", "--dense_below=0"]  # every residual non-zero
+            "--compression=block", "--k=1", "--dense_below=0",  # every residual non-zero
+            "--exchange=allgather"]
     rc = run_local_cluster([*args, "--fail_at_step=30", "--fail_worker=1"], 2, env=ENV,
                            timeout_s=300, grace_s=3)
     assert rc == 17  # killed mid-epoch 2 (22 steps per epoch per worker)

@@ -39,7 +39,8 @@ def test_density_one_epoch_trains_like_plain_sgd(mirrored2, mode):
 
 def test_densities_switch_per_epoch_and_residuals_carry_over(mirrored2):
     opt_fn = lambda: tfbs.BlockSparseOptimizer(  # noqa: E731
-        keras.optimizers.SGD(0.05), k=1, momentum_correction=0.9, dense_below=0)
+        keras.optimizers.SGD(0.05), k=1, momentum_correction=0.9, dense_below=0,
+                                               exchange="allgather")
     warm = tfbs.DensityWarmup([1.0, 0.5])
     model, opt, hist = _fit(mirrored2, opt_fn, [tfbs.BlockSparseMetrics(), warm], 4)
     sent = hist.history["payload_bytes"]
@@ -80,7 +81,8 @@ def test_switching_density_between_traces_matches_numpy_reference(mirrored2):
         model = _model()
         # the reference: every variable compressed, global momentum in the inner SGD
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM), k=1,
-                                        dense_below=0, momentum_correction=None)
+                                        dense_below=0, momentum_correction=None,
+                                        exchange="allgather")
         opt.build(model.trainable_variables)
 
     def make_train():

@@ -148,7 +148,9 @@ class CompressionOptions:
         scores summed over replicas), ``"dense"`` (plain all-reduce, nothing selected), or
         ``"auto"`` / an :class:`AutoExchange` policy: per fusion group, whichever of those
         is predicted fastest to accuracy from measurements on the running cluster (stored
-        as the policy object; only the Keras optimizer wrapper supports it).
+        as the policy object; only the Keras optimizer wrapper supports it).  Default
+        ``"allgather"``, which every shell supports; the optimizer wrapper's keyword
+        arguments default to ``"auto"``.
       granularity: ``"block"``, or ``"element"`` for element-wise top-k (use ``density``).
       dense_below: Variables with fewer elements are sent whole every step (a dense sum, no
         residual); ``None`` or 0 compresses every variable.

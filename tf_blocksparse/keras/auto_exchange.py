@@ -13,7 +13,8 @@ from what is measured on the running cluster:
    stands in for it.
 2. :class:`AutoExchangeCallback` re-decides after ``warmup_steps`` and then every
    ``remeasure_steps`` steps with the measured step time, and has Keras re-trace the train
-   function when the choice changed.  Error feedback stays exact across a switch: the
+   function when the choice changed.  ``model.fit`` adds one to its callbacks when they
+   hold none.  Error feedback stays exact across a switch: the
    owner's ``on_change`` moves the state (:mod:`~tf_blocksparse.keras.mode_switch`: a group
    that turns dense has its residual applied once and its momentum moved into the inner
    SGD; with other inner optimizers it sends ``grad + residual`` in its first dense step).
@@ -36,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_blocksparse import _compat
 from tf_blocksparse.distribute import link_probe
 from tf_blocksparse.exchange import group_cost
 from tf_blocksparse.feedback import BlockTopK
@@ -110,6 +112,7 @@ class ExchangeChooser:
         self._compress_s: list[float] | None = None  # agreed, since the last link probes
         self.measure_s = 0.0
 
+    @tf.autograph.experimental.do_not_convert  # decided while tracing, in Python
     def mode_of(self, variable: int) -> str:
         """The mode of the group holding variable index ``variable``."""
         return self.modes[self._group_of[variable]]
@@ -218,8 +221,9 @@ class AutoExchangeCallback(keras.callbacks.Callback):
     steps after that the link and compression are measured again too, and a new choice
     must beat the current one by the policy's ``hysteresis``.  Every worker runs callbacks,
     so every worker takes part in the measurements.  When it changed, the train function is
-    re-traced.  Add it to ``callbacks=`` with an optimizer built with ``exchange="auto"``;
-    with any other exchange it does nothing.
+    re-traced.  ``model.fit`` adds one by itself when the model's optimizer exchanges with
+    ``exchange="auto"`` (the default) and ``callbacks=`` holds none; give one to read its
+    :attr:`decisions`.  With any other exchange it does nothing.
 
     Attributes:
       initial: The decision in use when training began (the build-time one), or ``None``.
@@ -294,3 +298,19 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         self._next = self._steps + every if every else float("inf")
         self._window_start = self._totals(opt)
         self._walls = []
+
+
+def _fit_callbacks(model: Any, callbacks: list) -> list:
+    """An :class:`AutoExchangeCallback` for a Keras ``CallbackList`` of ``model`` whose
+    optimizer exchanges with ``exchange="auto"`` and that holds none yet."""
+    from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
+
+    opt = find_block_sparse(getattr(model, "optimizer", None))
+    if opt is None or not opt.compression.auto or \
+            any(isinstance(c, AutoExchangeCallback) for c in callbacks):
+        return []
+    return [AutoExchangeCallback()]
+
+
+# model.fit re-decides without the user adding the callback (one is added where missing)
+_compat.extend_callback_lists(_fit_callbacks)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from tf_blocksparse import _compat
 from tf_blocksparse.feedback import BlockTopK
@@ -72,15 +73,18 @@ class AutoExchangeRuntime:
             self.chooser.decide(hysteresis=False)
         self.chooser.on_change = self._on_modes_change
 
+    @tf.autograph.experimental.do_not_convert  # decided while tracing, in Python
     def in_dense_group(self, variable: int) -> bool:
         """Whether variable index ``variable`` is in a densely exchanged group now."""
         return self.chooser is not None and self.chooser.mode_of(variable) == "dense"
 
+    @tf.autograph.experimental.do_not_convert  # decided while tracing, in Python
     def stateless(self, variable: int) -> bool:
         """Whether variable index ``variable`` is in a dense group flushed at its switch (its
         step reads and writes no residual or velocity)."""
         return self.flush_at_switch and self.in_dense_group(variable)
 
+    @tf.autograph.experimental.do_not_convert  # decided while tracing, in Python
     def exchange_groups(self, groups: Sequence[Sequence[int]], idx: Sequence[int]
                         ) -> tuple[list[list[int]], list[str]]:
         """The step's exchange units: adjacent fusion groups (positions of the step's

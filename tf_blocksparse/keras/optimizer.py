@@ -65,9 +65,13 @@ STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "s
 class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer with block-wise top-k gradient exchange and error feedback.
 
-    ``BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))`` is the default: one
-    block per variable and replica per step (``k=1``), ``"allgather"``, variables under 1024
-    elements sent whole, the SGD's momentum moved before the exchange.
+    ``BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))`` is the default: the
+    exchange chosen from measurements of the running cluster (``exchange="auto"``: dense
+    where compression does not pay, e.g. on a fast link, block-sparse where it does, see
+    :mod:`~tf_blocksparse.keras.auto_exchange`; ``model.fit`` re-decides after 20 steps),
+    one block per variable and replica per step (``k=1``) when sparse, variables under 1024
+    elements sent whole, the SGD's momentum moved before a sparse exchange.  ``exchange=
+    "allgather"`` always compresses.
 
     Args:
       inner: The Keras optimizer that applies the exchanged update (e.g. ``SGD(0.1,
@@ -75,7 +79,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         all-reduce is disabled).
       compression: A :class:`~tf_blocksparse.options.CompressionOptions` (``k``,
         ``density``, ``metric``, ``exchange``, ``granularity``, ``dense_below``,
-        ``block_rules``).  Its arguments may instead be given as keywords here.
+        ``block_rules``).  Its arguments may instead be given as keywords here; given so,
+        ``exchange`` defaults to ``"auto"`` (an options object keeps its own).
       momentum_correction: Where the momentum lives: a
         :class:`~tf_blocksparse.keras.momentum.MomentumCorrection`, or its shorthand:
         ``"auto"`` (default: an inner ``SGD(momentum=m)``, not Nesterov, with a sparse

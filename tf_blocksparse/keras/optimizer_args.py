@@ -11,6 +11,7 @@ import tensorflow as tf
 from tf_blocksparse import _compat
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.options import (
+    AUTO_EXCHANGE,
     DEFAULT_DENSE_BELOW,
     NONFINITE,
     OPTION_NAMES,
@@ -84,6 +85,8 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
 
     ``kwargs`` may hold the arguments of :class:`CompressionOptions` (instead of
     ``compression``) and ``momentum_masking`` (with a non-policy ``momentum_correction``).
+    Without ``compression`` and ``exchange`` the exchange is ``"auto"`` (a
+    ``CompressionOptions`` passed in keeps its own ``exchange``).
     ``"auto"`` is resolved last (it changes the inner optimizer), once every check passed.
 
     Raises:
@@ -98,6 +101,8 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
     if other:
         raise ValueError(f"BlockSparseOptimizer does not take {other}; set them on the inner "
                          "optimizer")
+    if compression is None and "exchange" not in kwargs:  # the wrapper's own default
+        kwargs = {**kwargs, "exchange": AUTO_EXCHANGE}
     options = options_from(compression, kwargs, "BlockSparseOptimizer")
     if isinstance(momentum_correction, MomentumCorrection):
         if masking is not _UNSET:
