@@ -289,7 +289,7 @@ QUICKSTART = [
         DGC / GRACE baseline).  Every run wraps the same `SGD(0.05, momentum=0.9)`.  The
         default exchange is `"auto"`: it times the strategy's collectives and the compression
         when the optimizer is built and sends dense wherever compressing does not pay -- two
-        devices of one process are such a place, so here it picks dense.
+        devices of one process are such a place (in our runs it picked dense here).
         `exchange="allgather"` compresses whatever the link: one block per variable (`k=1`),
         the momentum moved *before* the exchange (kept per replica with DGC's correction,
         which keeps aggressive sparsification from oscillating) and variables of fewer than
@@ -388,10 +388,11 @@ QUICKSTART = [
     md('''
         ## What to take away
 
-        * The one-line default measured that compressing does not pay between two devices
-          of one process and sent dense: the same bytes and accuracy as the dense
-          all-reduce.  Compressing always (`exchange="allgather"`, k=1) sends ~40x fewer
-          bytes per step than the dense all-reduce and keeps pace with it; the literal k=1 (every variable compressed,
+        * The one-line default measures whether compressing pays; between two devices of
+          one process it did not in our runs, so it sent dense (the table shows its bytes):
+          the same bytes and accuracy as the dense all-reduce.  Compressing always
+          (`exchange="allgather"`, k=1) sends ~40x fewer bytes per step than the dense
+          all-reduce and keeps pace with it; the literal k=1 (every variable compressed,
           global momentum) sends ~59x fewer but trails at equal epochs: a 10-class head or a
           bias then moves one row or one element per step, and residuals released late into
           a running global velocity overshoot.

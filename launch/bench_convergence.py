@@ -1,5 +1,6 @@
-"""Convergence at an equal epoch budget: dense vs the one-line block default vs the literal
-block k=1 configuration vs element top-k 1%, several seeds per model.
+"""Convergence at an equal epoch budget: dense vs block k=1 always compressed (the library's
+compression defaults with ``exchange="allgather"``) vs the literal block k=1 configuration vs
+element top-k 1%, several seeds per model.
 
 Each run is a real ``--num_workers``-process ``MultiWorkerMirroredStrategy`` cluster of
 ``launch/train.py`` on loopback (the network does not matter here: only accuracy is compared)
