@@ -324,6 +324,10 @@ def main(argv: list[str]) -> None:
               "momentum": 0.9, "global_momentum": f.global_momentum,
               "momentum_masking": f.momentum_masking, "dataset": f.dataset,
               "deterministic": True,
+              # what each run's training clock counts (launch/train.py): runs under another
+              # clock are not comparable, so a kept group without it is run again
+              "clock": "every epoch from a barrier (all workers arrived) to its last step; "
+                       "library metrics read once per epoch",
               "rule": "decided before the run, the same for every method: the same seeds, "
                       "run seed by seed; every method evaluated on the same test images "
                       "after every epoch (each image counted once); per seed, target = that "

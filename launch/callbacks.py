@@ -78,7 +78,8 @@ def _number(value: Any) -> Any:
 
 
 def epoch_clock(timer: Callable[[], float] = time.perf_counter,
-                before_s: Callable[[], float] | None = None):
+                before_s: Callable[[], float] | None = None,
+                barrier: Callable[[], Any] | None = None):
     """Callback recording, per epoch, the cumulative training seconds.
 
     Its ``train_s`` list is what time-to-accuracy is measured against: the time from the
@@ -89,9 +90,15 @@ def epoch_clock(timer: Callable[[], float] = time.perf_counter,
     checkpoint whose per-replica state is read through a collective, ``model.fit``'s own
     validation) is not counted, wherever the clock sits in ``callbacks``.
 
+    Across workers that work ends at different times on each, and the next epoch's first
+    step waits for the last worker; ``barrier`` (called at every epoch's start, on every
+    worker, before the clock is read: e.g. an all-reduce) starts the clock only once every
+    worker has arrived, so that wait is not counted either.
+
     Args:
         timer: Seconds, monotonic (tests pass a fake one).
         before_s: Seconds to count before the first epoch (``None``: none).
+        barrier: Returns once every worker called it (``None``: not waited for).
     """
     import keras
 
@@ -106,6 +113,8 @@ def epoch_clock(timer: Callable[[], float] = time.perf_counter,
                 self._spent = float(before_s())
 
         def on_epoch_begin(self, epoch, logs=None):
+            if barrier is not None:  # every worker done with the last epoch's extra work
+                barrier()
             self._start, self._last = timer(), None
 
         def on_train_batch_end(self, batch, logs=None):

@@ -255,15 +255,23 @@ def test_no_strategy_custom_loop_and_loss_scale_outside():
     assert opt.inner_optimizer.block_sparse_metrics()["blocks_kept"] == 8
 
 
-def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path):
+@pytest.mark.parametrize("update_freq", ["epoch", 1])
+def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path, update_freq):
     x, y = _xy()
     with mirrored2.scope():
         model = _cnn()
         model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1,
                                                           dense_below=0, exchange="allgather"),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    cb = tfbs.BlockSparseMetrics(log_dir=str(tmp_path))
-    hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    cb = tfbs.BlockSparseMetrics(log_dir=str(tmp_path), update_freq=update_freq)
+    seen = []
+
+    class BatchLogs(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append("payload_bytes" in (logs or {}))
+
+    hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb, BatchLogs()])
+    assert all(seen) if update_freq == 1 else not any(seen)  # batch logs: read per batch
     for name in ("payload_bytes", "dense_bytes", "compression", "blocks_kept",
                  "residual_norm", "skipped_steps"):
         assert name in hist.history, name
@@ -272,8 +280,9 @@ def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path):
     assert hist.history["compression"][-1] > 3
     events = list((tmp_path / "block_sparse").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
-    with pytest.raises(ValueError, match="update_freq"):
-        tfbs.BlockSparseMetrics(update_freq=0)
+    for bad in (0, True, "batch", 1.0):
+        with pytest.raises(ValueError, match="update_freq"):
+            tfbs.BlockSparseMetrics(update_freq=bad)
 
 
 def test_optimizer_finds_layer_classes_of_renamed_layers():

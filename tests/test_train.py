@@ -269,6 +269,31 @@ def test_epoch_clock_counts_training_steps_only():
         assert clock.train_s == [3.0, 6.0], order
 
 
+def test_epoch_clock_starts_after_the_barrier():
+    """The wait for the last worker at an epoch's start (its barrier) is not training time;
+    the barrier runs once per epoch, before the clock is read."""
+    import keras
+
+    from launch.callbacks import epoch_clock
+
+    now, waits = [0.0], []
+
+    class Step(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            now[0] += 1.0
+
+    def barrier():  # another worker "still evaluating" for 50 s
+        waits.append(now[0])
+        now[0] += 50.0
+
+    clock = epoch_clock(timer=lambda: now[0], barrier=barrier)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32"), batch_size=4,
+              epochs=2, callbacks=[Step(), clock], verbose=0, shuffle=False)
+    assert clock.train_s == [2.0, 4.0] and waits == [0.0, 52.0]
+
+
 def test_epoch_clock_counts_the_work_before_training():
     """A method's work before the first epoch (the automatic exchange's build-time
     measurements) is training time: ``before_s`` is added to the first epoch, read once

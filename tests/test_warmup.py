@@ -40,7 +40,7 @@ def test_density_one_epoch_trains_like_plain_sgd(mirrored2, mode):
 def test_densities_switch_per_epoch_and_residuals_carry_over(mirrored2):
     opt_fn = lambda: tfbs.BlockSparseOptimizer(  # noqa: E731
         keras.optimizers.SGD(0.05), k=1, momentum_correction=0.9, dense_below=0,
-                                               exchange="allgather")
+        exchange="allgather")
     warm = tfbs.DensityWarmup([1.0, 0.5])
     model, opt, hist = _fit(mirrored2, opt_fn, [tfbs.BlockSparseMetrics(), warm], 4)
     sent = hist.history["payload_bytes"]

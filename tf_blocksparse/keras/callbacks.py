@@ -22,8 +22,9 @@ def find_block_sparse(optimizer: Any) -> BlockSparseOptimizer | None:
 
 class BlockSparseMetrics(keras.callbacks.Callback):
     """Adds ``payload_bytes``, ``dense_bytes``, ``compression``, ``blocks_kept``,
-    ``residual_norm`` and ``skipped_steps`` to the batch and epoch logs, and writes them as
-    TensorBoard scalars.
+    ``residual_norm`` and ``skipped_steps`` (and ``exchange_s``, and the automatic
+    exchange's ``auto_*`` figures) to the epoch logs, or also to the batch logs, and writes
+    them as TensorBoard scalars.
 
     Put it *before* ``keras.callbacks.TensorBoard`` / progress bar in ``callbacks=`` so they
     see the values.  Reading the figures is a collective under multi-worker training, so
@@ -32,13 +33,18 @@ class BlockSparseMetrics(keras.callbacks.Callback):
     Args:
       log_dir: Optional TensorBoard directory (a ``block_sparse`` sub-directory is used).
         Only the chief writes.
-      update_freq: Read and log every this many batches.
+      update_freq: ``"epoch"`` (default): read and log after every epoch; an int ``n``:
+        also every ``n`` batches.  Each read waits for the step to finish (under
+        multi-worker training it is a collective), and each TensorBoard scalar is an eager
+        op: per batch on 2-worker ``cnn_small`` steps of ~12 ms that was ~4 ms a step.
     """
 
-    def __init__(self, log_dir: str | None = None, update_freq: int = 1):
+    def __init__(self, log_dir: str | None = None, update_freq: int | str = "epoch"):
         super().__init__()
-        if not isinstance(update_freq, int) or update_freq < 1:
-            raise ValueError(f"`update_freq` must be an int >= 1, got {update_freq!r}")
+        if update_freq != "epoch" and (isinstance(update_freq, bool) or
+                                       not isinstance(update_freq, int) or update_freq < 1):
+            raise ValueError(f"`update_freq` must be 'epoch' or an int >= 1, got "
+                             f"{update_freq!r}")
         self.log_dir = log_dir
         self.update_freq = update_freq
         self._writer = None
@@ -62,14 +68,19 @@ class BlockSparseMetrics(keras.callbacks.Callback):
         m["compression"] = m["dense_bytes"] / m["payload_bytes"] if m["payload_bytes"] else 0.0
         return m
 
+    def _write(self) -> None:
+        if self._writer is not None and self._last:
+            with self._writer.as_default(step=self._step):
+                for name, value in self._last.items():
+                    tf.summary.scalar(name, value)
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._step += 1
+        if self.update_freq == "epoch":
+            return
         if self._step % self.update_freq == 0:
             self._last = self._read()
-            if self._writer is not None and self._last:
-                with self._writer.as_default(step=self._step):
-                    for name, value in self._last.items():
-                        tf.summary.scalar(name, value)
+            self._write()
         if logs is not None:
             logs.update(self._last)
 
@@ -77,6 +88,8 @@ class BlockSparseMetrics(keras.callbacks.Callback):
         self._last = self._read()
         if logs is not None:
             logs.update(self._last)
+        if self.update_freq == "epoch":
+            self._write()
         if self._writer is not None:
             self._writer.flush()
 
