@@ -260,6 +260,14 @@ def _train_flags(model: str, budget: dict, seed: int, method: str, target: float
     return out
 
 
+def kept_groups(old: dict, running: set[str], budget_of: Callable[[str], dict]) -> list[str]:
+    """Keys (``"model @ rate Mbit/s"``) of the groups of a ``--resume``d file to keep: every
+    group this invocation does not run (with its own budget), and a group it runs only if
+    its budget is the one asked for now (``budget_of(model)``; else it is run again)."""
+    return [key for key, budget in old.get("group_budgets", {}).items()
+            if key not in running or _same_budget(budget, budget_of(key.split(" @ ")[0]))]
+
+
 def runs_to_do(kept: list[dict], methods: list[str], seeds: list[int], rerun: list[str]
                ) -> list[tuple[int, str]]:
     """``(seed, method)`` of every run to make, seed by seed: each method a seed lacks in
@@ -349,20 +357,20 @@ def main(argv: list[str]) -> None:
     if f.resume and os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)
-        for key, budget in old.get("group_budgets", {}).items():
-            model = key.split(" @ ")[0]
-            if model not in f.models or _same_budget(budget, group_budget(model)):
-                doc["runs"][key], doc["group_budgets"][key] = old["runs"][key], budget
-                kept = [r for r in old["records"]
-                        if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" == key]
-                for r in kept:  # files from before these fields: one lr, DGC masking
-                    r.setdefault("seed", 0)
-                    r.setdefault("lr", budget["lr"])
-                    r.setdefault("momentum_masking", None if r["method"] == "dense" else
-                                 budget.get("momentum_masking", "all"))
-                doc["records"] += kept
-                if model not in f.models and model in old["budget"].get("per_model", {}):
-                    doc["budget"]["per_model"][model] = old["budget"]["per_model"][model]
+        running = {f"{m} @ {float(b):g} Mbit/s" for m in f.models for b in f.bandwidths_mbit}
+        for key in kept_groups(old, running, group_budget):
+            model, budget = key.split(" @ ")[0], old["group_budgets"][key]
+            doc["runs"][key], doc["group_budgets"][key] = old["runs"][key], budget
+            kept = [r for r in old["records"]
+                    if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" == key]
+            for r in kept:  # files from before these fields: one lr, DGC masking
+                r.setdefault("seed", 0)
+                r.setdefault("lr", budget["lr"])
+                r.setdefault("momentum_masking", None if r["method"] == "dense" else
+                             budget.get("momentum_masking", "all"))
+            doc["records"] += kept
+            if model not in f.models and model in old["budget"].get("per_model", {}):
+                doc["budget"]["per_model"][model] = old["budget"]["per_model"][model]
     os.makedirs(f.out, exist_ok=True)
 
     def store(key: str, budget: dict, runs: list[dict]) -> None:

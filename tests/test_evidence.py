@@ -149,3 +149,17 @@ def test_time_to_accuracy_end_to_end_schema(tmp_path):
         assert r["lr"] == 0.05
         assert r["momentum_masking"] == (None if r["method"] == "dense" else "waited")
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
+
+
+def test_resume_keeps_every_group_it_does_not_run():
+    """A group of a model being run at another link rate keeps its own budget (it was
+    dropped before when its budget differed); a group run now is kept only with the same
+    budget."""
+    old_budget, new_budget = {"lr": 0.01, "rule": "a"}, {"lr": 0.01, "clock": "x", "rule": "b"}
+    old = {"group_budgets": {"vgg_fc @ 100 Mbit/s": old_budget,
+                             "vgg_fc @ 1000 Mbit/s": old_budget,
+                             "resnet20 @ 100 Mbit/s": {**new_budget, "rule": "c"}}}
+    running = {"vgg_fc @ 1000 Mbit/s", "resnet20 @ 100 Mbit/s"}
+    assert bench_time_to_accuracy.kept_groups(old, running, lambda model: new_budget) == [
+        "vgg_fc @ 100 Mbit/s", "resnet20 @ 100 Mbit/s"]
+    assert bench_time_to_accuracy.kept_groups({}, running, lambda model: new_budget) == []
