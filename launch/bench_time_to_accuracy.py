@@ -260,6 +260,12 @@ def _train_flags(model: str, budget: dict, seed: int, method: str, target: float
     return out
 
 
+def group_key(model: str, bandwidth_mbit: float) -> str:
+    """The name of a model x link rate group in the results file, e.g.
+    ``"vgg_fc @ 100 Mbit/s"``."""
+    return f"{model} @ {float(bandwidth_mbit):g} Mbit/s"
+
+
 def kept_groups(old: dict, running: set[str], budget_of: Callable[[str], dict]) -> list[str]:
     """Keys (``"model @ rate Mbit/s"``) of the groups of a ``--resume``d file to keep: every
     group this invocation does not run (with its own budget), and a group it runs only if
@@ -357,12 +363,12 @@ def main(argv: list[str]) -> None:
     if f.resume and os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)
-        running = {f"{m} @ {float(b):g} Mbit/s" for m in f.models for b in f.bandwidths_mbit}
+        running = {group_key(m, b) for m in f.models for b in f.bandwidths_mbit}
         for key in kept_groups(old, running, group_budget):
             model, budget = key.split(" @ ")[0], old["group_budgets"][key]
             doc["runs"][key], doc["group_budgets"][key] = old["runs"][key], budget
             kept = [r for r in old["records"]
-                    if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" == key]
+                    if group_key(r["model"], r["bandwidth_mbit"]) == key]
             for r in kept:  # files from before these fields: one lr, DGC masking
                 r.setdefault("seed", 0)
                 r.setdefault("lr", budget["lr"])
@@ -385,7 +391,7 @@ def main(argv: list[str]) -> None:
             if r["momentum_masking"] is None and r["method"] != "dense":
                 r["momentum_masking"] = f.momentum_masking
         doc["records"] = [r for r in doc["records"]
-                          if f"{r['model']} @ {r['bandwidth_mbit']:g} Mbit/s" != key] + records
+                          if group_key(r["model"], r["bandwidth_mbit"]) != key] + records
         doc["runs"][key] = [experiments.slim(r) for r in runs]
         doc["group_budgets"][key] = budget
         doc["summary"] = aggregate(doc["records"])
@@ -395,7 +401,7 @@ def main(argv: list[str]) -> None:
     for model in f.models:
         budget = group_budget(model)
         for bw in [float(b) for b in f.bandwidths_mbit]:
-            key = f"{model} @ {bw:g} Mbit/s"
+            key = group_key(model, bw)
             ran = run_group(model, bw, budget, methods, seeds, doc["runs"].get(key, []),
                             f.rerun, lambda runs, k=key, b=budget: store(k, b, runs))
             if ran is None:
