@@ -145,12 +145,12 @@ def run(argv_flags=FLAGS) -> dict:
     def measuring_s() -> float:  # the automatic exchange's build-time measurements
         return 0.0 if opt.exchange_chooser is None else opt.exchange_chooser.measure_s
 
-    from tf_blocksparse.distribute.link_probe import agree_mean
+    from tf_blocksparse.distribute.link_probe import barrier
 
     # count the build-time measurements as training time; start each epoch's clock once
     # every worker is done with the last epoch's evaluation and checkpoint (an all-reduce)
     clock = cb.epoch_clock(before_s=measuring_s,
-                           barrier=lambda: agree_mean(strategy, [0.0]))
+                           barrier=lambda: barrier(strategy))
     callbacks.append(clock)
     if chief:  # last: it prints what the callbacks before it added
         callbacks.append(cb.progress(f.epochs, f.block_metrics,

@@ -48,10 +48,14 @@ def test_collective_probes_and_agreement(mirrored2):
         assert link_probe._PROBES[id(mirrored2)] is probe
         assert probe.function.experimental_get_tracing_count() == 1
         assert link_probe.agree_mean(mirrored2, [1.0, 3.0]) == [1.0, 3.0]
+        traced = len(link_probe._AGREE)
+        # lengths up to 8 share one function: means, replica 0's values and the barrier
         assert link_probe.from_first_replica(mirrored2, [2, 0, 1]) == [2, 0, 1]
-        traced = len(link_probe._AGREE)  # lengths up to 8 share one function per kind
+        link_probe.barrier(mirrored2)
         assert link_probe.agree_mean(mirrored2, [0.5] * 7) == [0.5] * 7
         assert len(link_probe._AGREE) == traced
+        agree = link_probe._AGREE[(id(mirrored2), 8)]
+        assert agree.experimental_get_tracing_count() == 1
         assert link_probe.agree_mean(mirrored2, [2.0] * 9) == [2.0] * 9  # padded to 16
         assert len(link_probe._AGREE) == traced + 1
 

@@ -8,7 +8,8 @@ calls them together: they run collectives):
 - :func:`time_compression`: seconds of one replica's compression work per fusion group,
   timed locally;
 - :func:`agree_mean` / :func:`from_first_replica`: the mean of every worker's measurements,
-  and replica 0's decision, so every worker decides the same.
+  and replica 0's decision, so every worker decides the same; :func:`barrier`: every
+  worker arrived.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from tf_blocksparse import codec
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.timing import graph_clock
 
-__all__ = ["Probe", "agree_mean", "from_first_replica", "grown_probes", "time_collectives",
-           "time_compression"]
+__all__ = ["Probe", "agree_mean", "barrier", "from_first_replica", "grown_probes",
+           "time_collectives", "time_compression"]
 
 _SUM = tf.distribute.ReduceOp.SUM
 _KINDS = ("sum", "gather")
@@ -234,26 +235,28 @@ def _compress_probe(comps: list[BlockTopK], dtypes: list[Sequence[Any]]
     return lambda: compress(grads).numpy()
 
 
-_AGREE: dict[tuple[int, int, bool], Callable[[tf.Tensor], Any]] = {}
+_AGREE: dict[tuple[int, int], Callable[[tf.Tensor], Any]] = {}
 
 
-def _agreed_sum(strategy: tf.distribute.Strategy, values: Sequence[float], first: bool
-                ) -> list[float]:
-    """The sum over all replicas of ``values`` (of replica 0's alone if ``first``).
+def _agreed_sums(strategy: tf.distribute.Strategy, values: Sequence[float]
+                 ) -> tuple[list[float], list[float]]:
+    """The sum over all replicas of ``values``, and replica 0's ``values`` (every replica's
+    sum in which the others contribute zeros).
 
-    One all-reduce in a function traced once per strategy, kind and padded length (a power
-    of two >= 8), so the many small agreements of a decision share a few traced functions.
+    One all-reduce of both halves in a function traced once per strategy and padded length
+    (a power of two >= 8), so every agreement of a decision, the decision itself and a
+    :func:`barrier` share a few traced functions and collective ops (each one's trace and
+    first run cost tens of milliseconds).
     """
     n = max(8, 1 << (len(values) - 1).bit_length())
-    key = (id(strategy), n, first)
+    key = (id(strategy), n)
     if key not in _AGREE:
 
         def replica_fn(x: tf.Tensor) -> tf.Tensor:
             ctx = tf.distribute.get_replica_context()
             x = tf.identity(x)  # on the replica's device (an argument has none)
-            if first:
-                x = x * tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), x.dtype)
-            return ctx.all_reduce(_SUM, x)
+            first = x * tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), x.dtype)
+            return ctx.all_reduce(_SUM, tf.concat([x, first], 0))
 
         @tf.function(autograph=False, input_signature=[tf.TensorSpec((n,), tf.float64)])
         def agree(x: tf.Tensor) -> Any:
@@ -262,7 +265,8 @@ def _agreed_sum(strategy: tf.distribute.Strategy, values: Sequence[float], first
         _AGREE[key] = agree
     padded = tf.constant([*map(float, values), *[0.0] * (n - len(values))], tf.float64)
     out = strategy.experimental_local_results(_AGREE[key](padded))[0].numpy()
-    return [float(v) for v in out[:len(values)]]
+    return ([float(v) for v in out[:len(values)]],
+            [float(v) for v in out[n:n + len(values)]])
 
 
 def agree_mean(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
@@ -270,11 +274,17 @@ def agree_mean(strategy: tf.distribute.Strategy, values: Sequence[float]) -> lis
     if not values:
         return []
     replicas = strategy.num_replicas_in_sync
-    return [v / replicas for v in _agreed_sum(strategy, values, first=False)]
+    return [v / replicas for v in _agreed_sums(strategy, values)[0]]
 
 
 def from_first_replica(strategy: tf.distribute.Strategy, values: Sequence[int]) -> list[int]:
-    """Replica 0's ``values`` on every worker (a sum where the others contribute zeros)."""
+    """Replica 0's ``values`` on every worker."""
     if not values:
         return []
-    return [int(round(v)) for v in _agreed_sum(strategy, values, first=True)]
+    return [int(round(v)) for v in _agreed_sums(strategy, values)[1]]
+
+
+def barrier(strategy: tf.distribute.Strategy) -> None:
+    """Returns once every worker of ``strategy`` called it (an all-reduce of one number;
+    eagerly in cross-replica context)."""
+    _agreed_sums(strategy, [0.0])
