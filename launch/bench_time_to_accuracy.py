@@ -152,6 +152,19 @@ def step_breakdown(record: dict) -> dict:
             "auto_modes": record.get("auto_modes")}
 
 
+def one_time_s(record: dict) -> dict:
+    """What a run spent once rather than per step (seconds): ``startup_s``, its first
+    epoch's training time beyond a steady epoch (the train step's trace and first runs,
+    and the automatic exchange's build-time measurement, counted in that epoch), and of it
+    ``measure_s``, the automatic exchange's measuring and deciding (``None`` for the
+    other methods)."""
+    step = steady_step_s(record)
+    first = record["train_s_per_epoch"][0] if record["train_s_per_epoch"] else None
+    startup = None if step is None or first is None else \
+        round(max(0.0, first - step * record["steps_per_epoch"]), 3)
+    return {"startup_s": startup, "measure_s": record.get("auto_measure_s")}
+
+
 def model_overrides(flag: str, entries: list[str], cast: type) -> dict[str, float]:
     """Parses ``--flag`` entries ``MODEL=VALUE`` (VALUE > 0, of type ``cast``)."""
     out = {}
@@ -198,7 +211,7 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
             "epochs_trained": len(r["train_s_per_epoch"]),
             "steps_per_epoch": r["steps_per_epoch"],
             "s_per_step": steady_step_s(r),
-            **step_breakdown(r),
+            **step_breakdown(r), **one_time_s(r),
             "accuracy_per_epoch": [round(a, 4) for a in r["history"].get("val_accuracy", [])],
             "train_s_per_epoch": r["train_s_per_epoch"],
         })
@@ -207,7 +220,8 @@ def summarise(records: list[dict], target_drop: float) -> list[dict]:
 
 #: Per-seed figures of :func:`summarise` that :func:`aggregate` gives as spreads.
 SPREAD_FIELDS = ("speedup_vs_dense", "time_to_target_s", "final_accuracy", "target_accuracy",
-                 "s_per_step", "compute_s", "compression_s", "communication_s")
+                 "s_per_step", "compute_s", "compression_s", "communication_s", "startup_s",
+                 "measure_s")
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -258,6 +272,24 @@ def _train_flags(model: str, budget: dict, seed: int, method: str, target: float
     if f.early_stop and target is not None:
         out += [f"--stop_at_accuracy={target}", f"--min_epochs={f.epochs}"]
     return out
+
+
+def group_records(runs: list[dict], budget: dict) -> list[dict]:
+    """The per-seed figures (:func:`summarise`) of one group's ``runs``, seed by seed.
+    Runs stored without flags take the group's ``budget`` learning rate and, when sparse,
+    momentum masking (DGC's ``"all"`` in budgets from before it was recorded); runs from
+    before seeds count as seed 0."""
+    for r in runs:
+        r.setdefault("seed", 0)
+    records = [row for seed in sorted({r["seed"] for r in runs})
+               for row in summarise([r for r in runs if r["seed"] == seed],
+                                    budget["target_drop"])]
+    for r in records:
+        if r["lr"] is None:
+            r["lr"] = budget["lr"]
+        if r["momentum_masking"] is None and r["method"] != "dense":
+            r["momentum_masking"] = budget.get("momentum_masking", "all")
+    return records
 
 
 def group_key(model: str, bandwidth_mbit: float) -> str:
@@ -367,14 +399,8 @@ def main(argv: list[str]) -> None:
         for key in kept_groups(old, running, group_budget):
             model, budget = key.split(" @ ")[0], old["group_budgets"][key]
             doc["runs"][key], doc["group_budgets"][key] = old["runs"][key], budget
-            kept = [r for r in old["records"]
-                    if group_key(r["model"], r["bandwidth_mbit"]) == key]
-            for r in kept:  # files from before these fields: one lr, DGC masking
-                r.setdefault("seed", 0)
-                r.setdefault("lr", budget["lr"])
-                r.setdefault("momentum_masking", None if r["method"] == "dense" else
-                             budget.get("momentum_masking", "all"))
-            doc["records"] += kept
+            # the figures are derived again from the kept runs (the current summarise)
+            doc["records"] += group_records(old["runs"][key], budget)
             if model not in f.models and model in old["budget"].get("per_model", {}):
                 doc["budget"]["per_model"][model] = old["budget"]["per_model"][model]
     os.makedirs(f.out, exist_ok=True)
@@ -382,14 +408,7 @@ def main(argv: list[str]) -> None:
     def store(key: str, budget: dict, runs: list[dict]) -> None:
         """Puts one group's runs and figures into ``doc`` and writes it (an interrupted bench
         keeps every finished run)."""
-        records = [row for seed in sorted({r["seed"] for r in runs})
-                   for row in summarise([r for r in runs if r["seed"] == seed],
-                                        f.target_drop)]
-        for r in records:  # kept runs carry no flags: the group's budget says them
-            if r["lr"] is None:
-                r["lr"] = budget["lr"]
-            if r["momentum_masking"] is None and r["method"] != "dense":
-                r["momentum_masking"] = f.momentum_masking
+        records = group_records(runs, budget)
         doc["records"] = [r for r in doc["records"]
                           if group_key(r["model"], r["bandwidth_mbit"]) != key] + records
         doc["runs"][key] = [experiments.slim(r) for r in runs]

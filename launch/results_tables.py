@@ -90,8 +90,8 @@ def step_breakdown_table(doc: dict) -> str:
     """Where a step's time goes, per model x bandwidth x method (``time_to_accuracy.json``
     runs that carry the optimizer wrapper's timings), mean over the seeds."""
     lines = ["| model | link | method | seeds | s/step | compute s | compression s | "
-             "communication s | modes per fusion group |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "communication s | once s (of it measuring) | modes per fusion group |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in _tta_summary(doc):
         if r.get("compute_s") is None:
             continue
@@ -100,8 +100,17 @@ def step_breakdown_table(doc: dict) -> str:
             f"| {r['model']} | {r['bandwidth_mbit']:g} Mbit/s | {r['method']} | "
             f"{len(r['seeds'])} | {r['s_per_step']['mean']:.3f} | "
             f"{r['compute_s']['mean']:.3f} | {r['compression_s']['mean']:.3f} | "
-            f"{r['communication_s']['mean']:.3f} | {'; '.join(modes) or '-'} |")
+            f"{r['communication_s']['mean']:.3f} | {_once(r)} | {'; '.join(modes) or '-'} |")
     return "\n".join(lines)
+
+
+def _once(row: dict) -> str:
+    """A summary row's one-time seconds, e.g. ``6.21 (0.52)`` (``-`` where not recorded)."""
+    startup, measure = row.get("startup_s"), row.get("measure_s")
+    if startup is None:
+        return "-"
+    measured = measure is not None and measure["mean"] > 0  # other methods record 0
+    return f"{startup['mean']:.2f}" + (f" ({measure['mean']:.2f})" if measured else "")
 
 
 def convergence_table(doc: dict) -> str:

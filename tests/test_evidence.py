@@ -64,6 +64,30 @@ def test_time_to_accuracy_over_seeds():
         bench_time_to_accuracy.summarise([{**dense, "seed": 0}, {**block, "seed": 1}], 0.003)
 
 
+def test_one_time_costs_and_records_derived_from_runs():
+    """startup_s: the first epoch beyond a steady one; measure_s: the automatic exchange's
+    measuring; a kept group's figures are derived from its stored runs, seed by seed."""
+    dense = _record("dense", [0.5, 0.7, 0.8], [16.0, 20.0, 24.0], payload=8000)
+    auto = {**_record("block_auto", [0.5, 0.7, 0.8], [16.5, 20.5, 24.5], payload=8000),
+            "auto_measure_s": 0.5}
+    once = bench_time_to_accuracy.one_time_s(auto)
+    assert once == {"startup_s": 12.5, "measure_s": 0.5}  # 16.5 s - 10 steps x 0.4 s
+    assert bench_time_to_accuracy.one_time_s(dense) == {"startup_s": 12.0, "measure_s": None}
+    runs = [{**r, "seed": seed} for seed in (1, 0) for r in (dense, auto)]
+    for r in runs:
+        del r["flags"]  # stored runs keep no flags
+    budget = {"target_drop": 0.003, "lr": 0.05, "momentum_masking": "waited"}
+    records = bench_time_to_accuracy.group_records(runs, budget)
+    assert [(r["seed"], r["method"]) for r in records] == [
+        (0, "dense"), (0, "block_auto"), (1, "dense"), (1, "block_auto")]
+    assert all(r["lr"] == 0.05 for r in records)
+    assert [r["momentum_masking"] for r in records[:2]] == [None, "waited"]
+    assert records[1]["startup_s"] == 12.5 and records[1]["speedup_vs_dense"] == 0.98
+    summary = {r["method"]: r for r in bench_time_to_accuracy.aggregate(records)}
+    assert summary["block_auto"]["measure_s"]["mean"] == 0.5
+    assert summary["dense"]["measure_s"] is None
+
+
 def test_runs_to_do_fills_gaps_reruns_and_puts_dense_first():
     kept = [{"method": m, "seed": s} for s in (0, 1) for m in ("dense", "block_shared")]
     kept.append({"method": "block_auto"})  # a file from before seeds: seed 0

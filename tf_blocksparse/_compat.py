@@ -87,18 +87,21 @@ def momentum_only_where(optimizer: Any, keep: Callable[[int], bool]) -> None:
     optimizer.update_step = selective_update_step
 
 
-#: Functions ``(model, callbacks) -> extra callbacks`` every Keras ``CallbackList`` consults.
+#: Functions ``(model, callbacks) -> extra callbacks`` that every ``fit``'s list consults.
 _CALLBACK_EXTENDERS: list[Callable[[Any, list], list]] = []
 
 
 def extend_callback_lists(extender: Callable[[Any, list], list]) -> None:
-    """Makes every Keras ``CallbackList`` built for a model (``model.fit`` builds one from
-    its ``callbacks=``) append the callbacks ``extender(model, callbacks)`` returns, set to
-    the list's model and parameters.  Registering the same function again does nothing.
+    """Makes every Keras ``CallbackList`` that ``model.fit`` builds (for a model, with a
+    ``History``: ``add_history=True``) append the callbacks ``extender(model, callbacks)``
+    returns, set to the list's model and parameters.  The lists of ``evaluate`` and
+    ``predict`` are left alone.  Registering the same function again does nothing.
 
     Keras offers no other way for an optimizer to take part in ``fit``'s loop (a callback
     the user did not write); ``CallbackList`` is public, its ``__init__`` is wrapped once.
     """
+    import inspect
+
     from keras.callbacks import CallbackList
 
     if extender in _CALLBACK_EXTENDERS:
@@ -107,11 +110,13 @@ def extend_callback_lists(extender: Callable[[Any, list], list]) -> None:
     if getattr(CallbackList.__init__, "_tfbs_extended", False):
         return
     init = CallbackList.__init__
+    signature = inspect.signature(init)
 
     def extended_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         model = getattr(self, "model", None)
-        if model is None:
+        bound = signature.bind(self, *args, **kwargs)
+        if model is None or not bound.arguments.get("add_history", False):
             return
         for extend in _CALLBACK_EXTENDERS:
             for callback in extend(model, list(self.callbacks)):
