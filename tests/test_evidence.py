@@ -172,7 +172,12 @@ def test_time_to_accuracy_end_to_end_schema(tmp_path):
         assert r["bandwidth_mbit"] == 100.0 and r["bytes_per_step"] > 0
         assert r["lr"] == 0.05
         assert r["momentum_masking"] == (None if r["method"] == "dense" else "waited")
+        assert r["startup_s"] >= 0 and r["measure_s"] == 0.0  # fixed modes measure nothing
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
+    # --resume with nothing to run derives the same figures from the stored runs
+    subprocess.run([*cmd, "--resume"], check=True, timeout=300, cwd=ROOT, capture_output=True)
+    again = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    assert again["records"] == doc["records"] and again["summary"] == doc["summary"]
 
 
 def test_resume_keeps_every_group_it_does_not_run():
