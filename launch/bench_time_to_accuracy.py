@@ -277,10 +277,7 @@ def _train_flags(model: str, budget: dict, seed: int, method: str, target: float
 def group_records(runs: list[dict], budget: dict) -> list[dict]:
     """The per-seed figures (:func:`summarise`) of one group's ``runs``, seed by seed.
     Runs stored without flags take the group's ``budget`` learning rate and, when sparse,
-    momentum masking (DGC's ``"all"`` in budgets from before it was recorded); runs from
-    before seeds count as seed 0."""
-    for r in runs:
-        r.setdefault("seed", 0)
+    momentum masking (DGC's ``"all"`` in budgets from before it was recorded)."""
     records = [row for seed in sorted({r["seed"] for r in runs})
                for row in summarise([r for r in runs if r["seed"] == seed],
                                     budget["target_drop"])]
@@ -324,8 +321,6 @@ def run_group(model: str, bw: float, budget: dict, methods: list[str], seeds: li
     method a seed lacks (or in ``rerun``); ``on_run(runs so far)`` after every run; ``None``
     when nothing was run."""
     f = FLAGS
-    for r in kept:
-        r.setdefault("seed", 0)  # files from before --seeds
     todo = runs_to_do(kept, methods, seeds, rerun)
     if not todo:
         return None
@@ -398,9 +393,12 @@ def main(argv: list[str]) -> None:
         running = {group_key(m, b) for m in f.models for b in f.bandwidths_mbit}
         for key in kept_groups(old, running, group_budget):
             model, budget = key.split(" @ ")[0], old["group_budgets"][key]
-            doc["runs"][key], doc["group_budgets"][key] = old["runs"][key], budget
+            runs = old["runs"][key]
+            for r in runs:
+                r.setdefault("seed", 0)  # files from before --seeds
+            doc["runs"][key], doc["group_budgets"][key] = runs, budget
             # the figures are derived again from the kept runs (the current summarise)
-            doc["records"] += group_records(old["runs"][key], budget)
+            doc["records"] += group_records(runs, budget)
             if model not in f.models and model in old["budget"].get("per_model", {}):
                 doc["budget"]["per_model"][model] = old["budget"]["per_model"][model]
     os.makedirs(f.out, exist_ok=True)
