@@ -170,7 +170,7 @@ def run(argv_flags=FLAGS) -> dict:
     results = validation.last if validation is not None and validation.last else \
         evaluate_exactly(model, *arrays.test, batch_size=f.eval_batch_size, **eval_kwargs)
     m = opt.block_sparse_metrics()
-    decision = opt.exchange_decision
+    chooser = opt.exchange_chooser
     if f.model_dir:  # every worker takes part (reading residuals is a collective)
         save_model(model, os.path.join(f.model_dir, "model.keras"))
     record = {
@@ -188,7 +188,7 @@ def run(argv_flags=FLAGS) -> dict:
         # the compression (one replica's, timed locally after training)
         "exchange_s_per_step": m["exchange_s_total"] / max(1, int(opt.iterations.numpy())),
         "compress_s_per_step": opt.compression_seconds(),
-        "auto_modes": None if decision is None else list(decision.modes),
+        "auto_modes": None if chooser is None else list(chooser.modes),
         "auto_measure_s": round(measuring_s(), 3),  # measuring and deciding, all of it
         # the build-time choice (step 0) and each re-decision: modes and measured inputs
         "auto_decisions": None if auto is None else [

@@ -10,7 +10,7 @@ import tf_blocksparse as tfbs
 from tf_blocksparse import blocks
 from tf_blocksparse.exchange import run_exchange
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.keras.auto_exchange import fallback_mode
+from tf_blocksparse.keras.auto_exchange import _fit_callbacks, fallback_mode
 from tf_blocksparse.keras.momentum import mask_sent
 
 X = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")
@@ -140,11 +140,22 @@ def test_the_callback_weighs_a_switch_against_the_steps_left(mirrored2):
 
 
 @pytest.mark.parametrize("candidates,sparse", [(("allgather",), True), (("dense",), False)])
-def test_candidates_decide_what_is_sent(mirrored2, candidates, sparse):
-    opt, _ = _fit_auto(mirrored2, tfbs.AutoExchange(candidates=candidates), dense_below=0)
+def test_one_candidate_is_used_everywhere_and_nothing_is_measured(mirrored2, candidates,
+                                                                   sparse):
+    opt, callback = _fit_auto(mirrored2, tfbs.AutoExchange(candidates=candidates),
+                              dense_below=0, fusion_buffer_bytes=1024)
     m = opt.block_sparse_metrics()
     assert (m["payload_bytes"] < m["dense_bytes"]) == sparse
-    assert opt.exchange_decision.modes == candidates
+    chooser = opt.exchange_chooser
+    assert len(chooser.groups) >= 2 and chooser.modes == list(candidates) * len(chooser.groups)
+    # no choice to make: no decision, no re-decisions, no compression probe, no auto_* figures
+    assert opt.exchange_decision is None and callback.decisions == []
+    assert chooser._probe_cache == {} and not any(k.startswith("auto_") for k in m)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    model.optimizer = opt  # fit adds no callback of its own for it
+    assert _fit_callbacks(model, []) == []
+    model.optimizer = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1))  # the default
+    assert [type(c) for c in _fit_callbacks(model, [])] == [tfbs.AutoExchangeCallback]
 
 
 def test_measure_exchange_needs_cross_replica_context(mirrored2):
@@ -188,7 +199,7 @@ def test_adjacent_groups_of_one_mode_share_their_collectives(mirrored2):
     # all groups allgather: one id buffer with one flag, exactly the plain allgather bytes
     policy = tfbs.AutoExchange(candidates=("allgather",))
     auto, _ = _fit_auto(mirrored2, policy, dense_below=0, fusion_buffer_bytes=1024)
-    assert len(auto.exchange_decision.modes) >= 2
+    assert len(auto.exchange_chooser.modes) >= 2
     plain, _ = _fit_auto(mirrored2, "allgather", dense_below=0)
     assert auto.block_sparse_metrics()["payload_bytes"] == \
         plain.block_sparse_metrics()["payload_bytes"]

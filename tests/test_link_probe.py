@@ -99,7 +99,7 @@ def test_a_re_measurement_reuses_the_traced_probes(mirrored2):
 
 @pytest.mark.parametrize("policy,timed", [
     (AutoExchange(convergence_cost=100.0), False),  # sparse cannot win: nothing to time
-    (AutoExchange(candidates=("allgather",)), True)])
+    (AutoExchange(candidates=("allgather", "shared")), True)])
 def test_compression_is_timed_only_where_a_sparse_mode_could_win(mirrored2, policy, timed):
     comps = [_comp((64, 32)), _comp((32, 16))]
     chooser = ExchangeChooser(policy, mirrored2, [[0], [1]], comps, [["float32"]] * 2)

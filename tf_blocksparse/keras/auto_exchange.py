@@ -19,7 +19,8 @@ from what is measured on the running cluster:
    that turns dense has its residual applied once and its momentum moved into the inner
    SGD; with other inner optimizers it sends ``grad + residual`` in its first dense step).
 
-Without a strategy (one replica) every group is dense and nothing is measured.  Built
+Without a strategy (one replica) every group is dense and nothing is measured; a policy of
+one candidate (a pinned mode) measures nothing either.  Built
 inside a ``tf.function`` (a custom loop), nothing can be measured either: every group uses
 the first sparse candidate until ``BlockSparseOptimizer.measure_exchange`` is called in
 cross-replica context (then re-trace the step).
@@ -62,7 +63,8 @@ def can_measure() -> bool:
 
 
 def fallback_mode(policy: AutoExchange, replicas: int) -> str:
-    """The mode of every group before anything is measured."""
+    """The mode of every group before anything is measured (and for good where there is
+    no choice: one replica, or one candidate)."""
     if replicas <= 1:
         return "dense"
     return next((m for m in policy.candidates if m != "dense"), "dense")
@@ -146,7 +148,9 @@ class ExchangeChooser:
             new ones save more than ``switch_s`` over them (``None``: not weighed).
 
         Returns:
-          The decision (``None`` with a single replica: every group dense, not measured).
+          The decision; ``None``, with nothing measured, where there is no choice: with a
+          single replica (every group dense) or a policy of one candidate (every group in
+          it).
         """
         start = time.perf_counter()
         try:
@@ -157,8 +161,9 @@ class ExchangeChooser:
     def _decide(self, compute_s: float | None, remeasure: bool, hysteresis: bool,
                 switch_s: float, steps_left: float | None) -> ExchangeDecision | None:
         strategy, policy = self.strategy, self.policy
-        if strategy.num_replicas_in_sync <= 1:
-            self.set_modes(["dense"] * len(self.groups))
+        if strategy.num_replicas_in_sync <= 1 or len(policy.candidates) == 1:
+            self.set_modes([fallback_mode(policy, strategy.num_replicas_in_sync)]
+                           * len(self.groups))
             return None
         measured = compute_s is not None
         with strategy.scope():
@@ -302,11 +307,12 @@ class AutoExchangeCallback(keras.callbacks.Callback):
 
 def _fit_callbacks(model: Any, callbacks: list) -> list:
     """An :class:`AutoExchangeCallback` for a Keras ``CallbackList`` of ``model`` whose
-    optimizer exchanges with ``exchange="auto"`` and that holds none yet."""
+    optimizer exchanges with ``exchange="auto"`` (with a choice: two or more candidates)
+    and that holds none yet."""
     from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
 
     opt = find_block_sparse(getattr(model, "optimizer", None))
-    if opt is None or not opt.compression.auto or \
+    if opt is None or not opt.compression.auto or len(opt.exchange.candidates) < 2 or \
             any(isinstance(c, AutoExchangeCallback) for c in callbacks):
         return []
     return [AutoExchangeCallback()]

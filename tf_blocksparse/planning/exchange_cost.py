@@ -253,7 +253,8 @@ class AutoExchange:
     """The policy of ``exchange="auto"``: measure, predict, choose per fusion group.
 
     Args:
-      candidates: Modes to choose from (a subset of :data:`CANDIDATES`).
+      candidates: Modes to choose from (a subset of :data:`CANDIDATES`); with one, every
+        group uses it and nothing is measured (a pinned mode).
       convergence_cost: Extra steps, as a fraction, that a fully sparse exchange needs to
         reach dense's accuracy (>= 0; 0 decides on step time alone): one number for both
         sparse modes, or a mapping ``{"allgather": a, "shared": s}`` (a mode left out
