@@ -115,6 +115,7 @@ def test_link_fit_takes_separate_gather_sizes():
 
 def test_candidates_and_hysteresis():
     assert AutoExchange(candidates=("dense",)).decide(SLOW, [BIG]).modes == ("dense",)
+    assert AutoExchange(candidates=("shared",)).pinned and not AutoExchange().pinned
     assert AutoExchange(candidates=("shared",)).decide(FREE, [BIG]).modes == ("shared",)
     near = AutoExchange(hysteresis=0.99)
     assert near.decide(SLOW, [BIG], 0.1, current=["dense"]).modes == ("dense",)

@@ -161,7 +161,7 @@ class ExchangeChooser:
     def _decide(self, compute_s: float | None, remeasure: bool, hysteresis: bool,
                 switch_s: float, steps_left: float | None) -> ExchangeDecision | None:
         strategy, policy = self.strategy, self.policy
-        if strategy.num_replicas_in_sync <= 1 or len(policy.candidates) == 1:
+        if strategy.num_replicas_in_sync <= 1 or policy.pinned:
             self.set_modes([fallback_mode(policy, strategy.num_replicas_in_sync)]
                            * len(self.groups))
             return None
@@ -312,7 +312,7 @@ def _fit_callbacks(model: Any, callbacks: list) -> list:
     from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
 
     opt = find_block_sparse(getattr(model, "optimizer", None))
-    if opt is None or not opt.compression.auto or len(opt.exchange.candidates) < 2 or \
+    if opt is None or not opt.compression.auto or opt.exchange.pinned or \
             any(isinstance(c, AutoExchangeCallback) for c in callbacks):
         return []
     return [AutoExchangeCallback()]

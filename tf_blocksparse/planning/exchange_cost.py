@@ -431,6 +431,11 @@ class AutoExchange:
                             for g, m in zip(groups, modes) if m != "dense")
         return step, step * (1 + delayed / total)
 
+    @property
+    def pinned(self) -> bool:
+        """Whether there is nothing to choose (one candidate): nothing is measured."""
+        return len(self.candidates) == 1
+
     def prior_compute_s(self, groups: Sequence[GroupCost]) -> float:
         """The time per step outside the exchange assumed before any step is timed:
         ``compute_prior`` times the groups' summed compression seconds."""
