@@ -30,6 +30,33 @@ from launch import flags as train_flags
 FLAGS = flags.FLAGS
 CONV_METHODS = experiments.CONVERGENCE_METHODS
 TARGET_POINTS = 0.003
+#: Fraction of the epochs at the end over which dense must have (nearly) stopped gaining.
+CONVERGED_TAIL = 0.25
+#: Most test-accuracy gain (fraction, 0.002 = 0.2 points) of dense's mean curve over the last
+#: CONVERGED_TAIL of the epochs for a model's budget to count as converged.
+CONVERGED_GAIN = 0.002
+RULE = (f"converged when dense's mean test accuracy (over seeds) at the last epoch exceeds its "
+        f"value {int(CONVERGED_TAIL * 100)}% of the epochs earlier by less than "
+        f"{CONVERGED_GAIN * 100:.1f} points; target = dense's converged mean - "
+        f"{TARGET_POINTS * 100:.1f} points")
+
+
+def converged(curve_mean: list[float], tail: float = CONVERGED_TAIL,
+              gain: float = CONVERGED_GAIN) -> dict:
+    """Whether a mean accuracy curve (one value per epoch) has converged by :data:`RULE`.
+
+    Returns:
+        ``{"converged", "tail_gain_points", "from_epoch"}``: the rule's verdict, the gain (in
+        points) from epoch ``from_epoch`` (1-based; the epoch ``tail`` of the run before the
+        end) to the last epoch.
+    """
+    epochs = len(curve_mean)
+    if epochs < 2:
+        return {"converged": False, "tail_gain_points": None, "from_epoch": None}
+    start = max(1, epochs - max(1, round(tail * epochs)))  # 1-based epoch compared with the last
+    delta = curve_mean[-1] - curve_mean[start - 1]
+    return {"converged": delta < gain, "tail_gain_points": round(100 * delta, 2),
+            "from_epoch": start}
 
 
 def define_flags() -> None:
@@ -38,7 +65,12 @@ def define_flags() -> None:
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (model initialisation and data order).")
     flags.DEFINE_list("methods", ["dense", "block_default", "block_source", "topk_1pct"],
                       f"Methods, of {list(CONV_METHODS)} (launch/experiments.py).")
-    flags.DEFINE_integer("num_workers", 4, "Worker processes.", lower_bound=1)
+    flags.DEFINE_integer("num_workers", 4, "Replicas: worker processes, or logical CPUs "
+                         "with --strategy=mirrored.", lower_bound=1)
+    flags.DEFINE_enum("strategy", "multiworker", ["multiworker", "mirrored"],
+                      "multiworker: a --num_workers-process cluster on loopback; mirrored: one "
+                      "process, MirroredStrategy on --num_workers logical CPUs (the same "
+                      "exchange per replica, faster on a few cores; accuracy only).")
     flags.DEFINE_integer("epochs", 3, "Epochs (the same budget for every method).",
                          lower_bound=1)
     flags.register_validator("methods", lambda m: experiments.known_methods(m, CONV_METHODS),
@@ -53,7 +85,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("batch_size", 128, "Global batch size.")
     flags.DEFINE_integer("train_samples", 0, "Training subset (0: all 60,000).")
     flags.DEFINE_integer("test_samples", 0, "Test subset (0: all 10,000).")
-    flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9).")
+    flags.DEFINE_float("lr", 0.05, "Learning rate (SGD, momentum 0.9); the peak one under "
+                       "a schedule.")
+    flags.DEFINE_enum("lr_schedule", "cosine", ["constant", "cosine"],
+                      "launch.train --lr_schedule (cosine: decays to 0 at the last step).")
+    flags.DEFINE_float("warmup_epochs", 0.0, "launch.train --warmup_epochs.", lower_bound=0.0)
     flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch/train.py --dataset).")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
     flags.DEFINE_boolean("resume", False, "Keep the runs (model x method x seed) of "
@@ -73,10 +109,16 @@ def model_epochs(entries: list[str]) -> dict[str, int]:
     return out
 
 
+def accuracy_curve(record: dict) -> list[float]:
+    """The run's per-epoch test accuracy (token accuracy for sequence models)."""
+    hist = record["history"]
+    return list(hist.get("val_accuracy") or hist.get("val_token_accuracy") or [])
+
+
 def summarise(model: str, method: str, records: list[dict]) -> dict:
     """Mean / std of the final accuracy and the per-epoch curve of one model x method."""
     finals = [r["test_accuracy"] for r in records]
-    curves = [r["history"].get("val_accuracy", []) for r in records]
+    curves = [accuracy_curve(r) for r in records]
     epochs = min(len(c) for c in curves)
     final = experiments.spread(finals)
     per_epoch = [experiments.spread([c[e] for c in curves]) for e in range(epochs)]
@@ -148,10 +190,10 @@ def summarise_runs(runs: list[dict], models: list[str]) -> list[dict]:
 def _slim(record: dict) -> dict:
     keep = ("model", "method", "test_accuracy", "test_loss", "test_correct", "test_examples",
             "steps", "steps_per_epoch", "payload_bytes_per_step", "dense_bytes_per_step",
-            "launcher_wall_s", "train_s_per_epoch")
-    out = {k: record[k] for k in keep}
-    out["flags"] = {"seed": record["flags"]["seed"]}
-    out["history"] = {"val_accuracy": record["history"].get("val_accuracy", [])}
+            "launcher_wall_s", "train_s_per_epoch", "provenance")
+    out = {k: record[k] for k in keep if k in record}
+    out["flags"] = dict(record["flags"])  # every flag of the run: it can be repeated
+    out["history"] = {"val_accuracy": accuracy_curve(record)}
     return out
 
 
@@ -161,9 +203,11 @@ def main(argv: list[str]) -> None:
     f = FLAGS
     overrides = model_epochs(f.model_epochs)
     seeds = [int(s) for s in f.seeds]
-    common = {"num_workers": f.num_workers, "steps_per_epoch": f.steps_per_epoch or "full pass",
+    common = {"num_workers": f.num_workers, "strategy": f.strategy,
+              "steps_per_epoch": f.steps_per_epoch or "full pass",
               "global_batch": f.batch_size, "train_samples": f.train_samples or "all",
               "test_samples": f.test_samples or "all", "lr": f.lr, "momentum": 0.9,
+              "lr_schedule": f.lr_schedule, "warmup_epochs": f.warmup_epochs,
               "deterministic": True, "dataset": f.dataset}
     path = os.path.join(f.out, "convergence.json")
     doc = {"budget": {**common, "epochs": {}}, "records": [], "runs": [],
@@ -183,6 +227,9 @@ def main(argv: list[str]) -> None:
 
     def write() -> None:
         doc["records"] = summarise_runs(doc["runs"], models_seen)
+        doc["budget"]["rule"] = RULE
+        doc["budget"]["converged"] = {r["model"]: converged(r["curve_mean"])
+                                      for r in doc["records"] if r["method"] == "dense"}
         os.makedirs(f.out, exist_ok=True)
         with open(path, "w") as fh:
             json.dump(doc, fh, indent=1)
@@ -193,6 +240,7 @@ def main(argv: list[str]) -> None:
         args = [f"--dataset={f.dataset}", f"--epochs={epochs}", f"--batch_size={f.batch_size}",
                 f"--train_samples={f.train_samples}", f"--test_samples={f.test_samples}",
                 f"--lr={f.lr}", "--momentum=0.9", f"--steps_per_epoch={f.steps_per_epoch}",
+                f"--lr_schedule={f.lr_schedule}", f"--warmup_epochs={f.warmup_epochs}",
                 f"--model={model}"]
         for seed in seeds:  # seed-major: an interrupted bench has every method's first seeds
             for name in f.methods:
@@ -200,8 +248,12 @@ def main(argv: list[str]) -> None:
                        for r in doc["runs"]):
                     print(f"{model} {name} seed {seed}: kept from {path}", flush=True)
                     continue
-                rec = experiments.run_training(name, [*args, f"--seed={seed}"],
-                                               f.num_workers, 0.01)
+                if f.strategy == "mirrored":
+                    rec = experiments.run_in_one_process(name, [*args, f"--seed={seed}"],
+                                                         f.num_workers, 0.01)
+                else:
+                    rec = experiments.run_training(name, [*args, f"--seed={seed}"],
+                                                   f.num_workers, 0.01)
                 rec["model"], rec["method"] = model, name
                 doc["runs"].append(_slim(rec))
                 print(json.dumps({"model": model, "method": name, "seed": seed,

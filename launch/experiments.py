@@ -142,6 +142,35 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
     return record
 
 
+def run_in_one_process(method: str, train_flags: Sequence[str], num_devices: int,
+                       density: float, timeout_s: float = 0.0) -> dict:
+    """Trains once in one process under ``MirroredStrategy`` on ``num_devices`` logical CPUs
+    (the same wrapper and exchange per replica as a ``num_devices``-worker cluster, without
+    the processes) and returns its metrics record, as :func:`run_training` does.
+
+    Raises:
+        RuntimeError: The training process failed (with the tail of its output).
+    """
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
+        cmd = [*TRAIN, "--strategy=mirrored", f"--num_devices={num_devices}",
+               f"--model_dir={tmp}", "--deterministic", *method_flags(method, density),
+               *train_flags]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout_s or None)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"{method}: exited with {proc.returncode}\n"
+                               f"{(proc.stdout + proc.stderr)[-3000:]}")
+        with open(os.path.join(tmp, "metrics.json")) as fh:
+            record = json.load(fh)
+    record["launcher_wall_s"] = round(wall, 2)
+    record["method"] = method
+    return record
+
+
 def slim(record: dict) -> dict:
     """The part of a run record kept in the results files (curves, bytes, method, flags)."""
     keep = ("method", "model", "bandwidth_mbit", "dataset", "test_accuracy", "test_correct",

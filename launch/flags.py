@@ -102,7 +102,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "this worker's shard).", lower_bound=0, **fv)
     flags.DEFINE_integer("batch_size", 64, "Global batch size (all workers together).",
                          lower_bound=1, **fv)
-    flags.DEFINE_float("lr", 0.05, "Learning rate (> 0).", **fv)
+    flags.DEFINE_float("lr", 0.05, "Learning rate (> 0); the peak one under a schedule.", **fv)
+    flags.DEFINE_enum("lr_schedule", "constant", ["constant", "cosine"],
+                      "constant: --lr throughout; cosine: linear warm-up over "
+                      "--warmup_epochs, then cosine decay to 0 at the last step of --epochs.",
+                      **fv)
+    flags.DEFINE_float("warmup_epochs", 0.0, "Epochs of linear learning-rate warm-up from 0 "
+                       "(--lr_schedule=cosine only).", lower_bound=0.0, **fv)
     flags.DEFINE_float("momentum", 0.9, "SGD momentum, in [0, 1].  Sparse methods keep it "
                        "per worker before the exchange (DGC correction, the library's "
                        "default) unless --global_momentum.", **fv)
@@ -152,6 +158,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         ["k", "density"], lambda f: f["k"] is None or f["density"] is None,
         "give at most one of --k and --density", **fv)
     flags.register_validator("lr", lambda lr: lr > 0, "--lr must be > 0", **fv)
+    flags.register_multi_flags_validator(
+        ["lr_schedule", "warmup_epochs", "epochs"],
+        lambda f: not f["warmup_epochs"] or (f["lr_schedule"] == "cosine"
+                                             and f["warmup_epochs"] < f["epochs"]),
+        "--warmup_epochs needs --lr_schedule=cosine and must be below --epochs", **fv)
     flags.register_validator("momentum", lambda m: 0.0 <= m <= 1.0,
                              "--momentum must be in [0, 1]", **fv)
     flags.register_validator("fail_worker", lambda w: w >= 0, "--fail_worker must be >= 0",

@@ -125,3 +125,30 @@ def machine_info() -> dict[str, Any]:
             "tensorflow": tf.__version__, "keras": keras.__version__,
             "logical_cpus": len(tf.config.list_logical_devices("CPU")),
             "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU"}
+
+
+def provenance() -> dict[str, Any]:
+    """What a results record needs to be reproduced: the repository's commit (with ``dirty``
+    when the work tree differs from it; ``None`` outside a git checkout) and the versions of
+    Python, TensorFlow, Keras and NumPy."""
+    import subprocess
+    import sys
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                                 timeout=10, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip()
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None
+            else None, "python": sys.version.split()[0], "tensorflow": tf.__version__,
+            "keras": keras.__version__, "numpy": np.__version__}

@@ -49,8 +49,33 @@ def make_strategy(name: str, num_devices: int):
     return tf.distribute.get_strategy()
 
 
+def learning_rate(lr: float, schedule: str = "constant", total_steps: int = 0,
+                  warmup_steps: int = 0):
+    """``--lr`` as ``--lr_schedule`` asks: the float itself, or a Keras ``CosineDecay`` that
+    warms up linearly from 0 to ``lr`` over ``warmup_steps`` and then decays to 0 at
+    ``total_steps`` (optimizer steps, all epochs together).
+
+    Raises:
+      ValueError: ``schedule`` unknown, or a cosine schedule without ``total_steps >
+        warmup_steps``.
+    """
+    if schedule == "constant":
+        return lr
+    if schedule != "cosine":
+        raise ValueError(f"`schedule` must be 'constant' or 'cosine', got {schedule!r}")
+    if total_steps <= warmup_steps:
+        raise ValueError(f"`total_steps` ({total_steps}) must exceed `warmup_steps` "
+                         f"({warmup_steps}) for a cosine schedule")
+    import keras
+
+    if not warmup_steps:
+        return keras.optimizers.schedules.CosineDecay(lr, total_steps, alpha=0.0)
+    return keras.optimizers.schedules.CosineDecay(
+        0.0, total_steps - warmup_steps, alpha=0.0, warmup_target=lr, warmup_steps=warmup_steps)
+
+
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
-                   exchange: str, lr: float, momentum: float, global_momentum: bool = False,
+                   exchange: str, lr, momentum: float, global_momentum: bool = False,
                    dense_below: int | None = None, momentum_masking: str | None = None,
                    fusion_buffer_bytes: int = 0):
     """``BlockSparseOptimizer(SGD(lr, momentum))`` as ``--compression`` asks, with the
@@ -110,7 +135,9 @@ def run(argv_flags=FLAGS) -> dict:
     sequence = registry.is_sequence_model(f.model)
     with strategy.scope():
         model = registry.build_model(f.model, arrays.input_shape, arrays.num_classes, seed=f.seed)
-        opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, f.lr,
+        lr = learning_rate(f.lr, f.lr_schedule, f.epochs * steps,
+                           int(round(f.warmup_epochs * steps)))
+        opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, lr,
                              f.momentum, f.global_momentum, f.dense_below,
                              f.momentum_masking, f.fusion_buffer_bytes)
         if sequence:
@@ -199,6 +226,7 @@ def run(argv_flags=FLAGS) -> dict:
         "train_s_per_epoch": clock.train_s,
         "flags": {name: f[name].value for name in flag_names()},
         "tensorflow": tf.__version__,
+        "provenance": runtime.provenance(),
     }
     if chief and f.model_dir:
         os.makedirs(f.model_dir, exist_ok=True)
