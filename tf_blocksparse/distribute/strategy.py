@@ -3,24 +3,74 @@
 Keras 3's TensorFlow trainer calls ``strategy.reduce("MEAN", batch, axis=None)`` on the
 nested data batch and ``strategy.reduce("MEAN", scalar_metric, axis=0)`` on scalar metric
 values (keras-team/keras#20585); TF's multi-worker strategy rejects both.  This subclass
-reduces leaf by leaf and drops ``axis`` for scalars.  Everything else is TF's strategy.
+reduces leaf by leaf and drops ``axis`` for scalars.
+
+TF's collectives take only a few dtypes (reduce: bfloat16, float16/32/64, int32/64; gather:
+no bfloat16), while Keras sends whatever the data holds, e.g. the uint8 labels of
+``keras.datasets.fashion_mnist``.  ``reduce`` and ``gather`` send any other integer or bool
+value as int32 (int64 for 32- and 64-bit unsigned ones) and bfloat16 as float32, and cast the
+result back to the value's dtype; only a MEAN of integers or bools stays what TF's MEAN of
+int32 gives, the exact float64 mean.  Only the bytes on the wire grow.  Everything else is
+TF's strategy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+#: The dtypes TF's collective all-reduce (``CollectiveReduceV2``) takes.
+REDUCE_DTYPES = frozenset({tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.int32,
+                           tf.int64})
+#: The dtypes TF's collective all-gather (``CollectiveGatherV2``) takes.
+GATHER_DTYPES = frozenset({tf.float16, tf.float32, tf.float64, tf.int32, tf.int64})
+
+
+def wire_dtype(dtype: Any, supported: Collection[tf.DType]) -> tf.DType | None:
+    """The dtype a value of ``dtype`` travels as through a collective taking ``supported``.
+
+    Returns:
+      ``None`` when ``dtype`` is supported (or has no exact stand-in: TF's own error then
+      names it); int32 for bool and integers of up to 16 bits, int64 for uint32 and uint64
+      (a uint64 above 2**63 wraps, which a SUM undoes when cast back), float32 for bfloat16.
+    """
+    dtype = tf.as_dtype(dtype)
+    if dtype in supported:
+        return None
+    if dtype == tf.bool or (dtype.is_integer and not dtype.is_quantized and dtype.size <= 2):
+        wide = tf.int32
+    elif dtype in (tf.uint32, tf.uint64):
+        wide = tf.int64
+    elif dtype == tf.bfloat16:
+        wide = tf.float32
+    else:
+        return None
+    return wide if wide in supported else None
+
+
+def _narrow(result: tf.Tensor, dtype: tf.DType | None) -> tf.Tensor:
+    """``result`` of a collective over values widened from ``dtype`` (``None``: not widened)
+    cast back to ``dtype``; a float result of widened integers (TF's MEAN) stays as it is."""
+    if dtype is None or (result.dtype.is_floating and not dtype.is_floating):
+        return result
+    return tf.cast(result, dtype)
+
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
-    """``tf.distribute.MultiWorkerMirroredStrategy`` with a structure-aware ``reduce``.
+    """``tf.distribute.MultiWorkerMirroredStrategy`` with a structure-aware ``reduce`` and
+    a ``reduce`` / ``gather`` for every integer and bool dtype (module docstring).
 
     Use exactly like TF's class (it reads ``TF_CONFIG`` or takes a cluster resolver).
     """
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
-        """Reduces every leaf of ``value``; scalars are reduced across replicas only."""
+        """Reduces every leaf of ``value``; scalars are reduced across replicas only.
+
+        A leaf of a dtype the collective does not take is reduced as :func:`wire_dtype`
+        and cast back, except a MEAN of integers or bools: float64, as TF's MEAN of int32.
+        """
 
         def leaf(v: Any) -> Any:
             ax = axis
@@ -30,9 +80,32 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                     rank = self.experimental_local_results(v)[0].shape
                 if rank is not None and rank.rank == 0:
                     ax = None
-            return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=ax)
+            v, dtype = self._widen(v, REDUCE_DTYPES)
+            out = super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=ax)
+            return _narrow(out, dtype)
 
         return tf.nest.map_structure(leaf, value)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """TF's ``gather``, for every integer and bool dtype too (as :func:`wire_dtype`)."""
+
+        def leaf(v: Any) -> Any:
+            v, dtype = self._widen(v, GATHER_DTYPES)
+            return _narrow(super(MultiWorkerMirroredStrategy, self).gather(v, axis), dtype)
+
+        return tf.nest.map_structure(leaf, value)
+
+    def _widen(self, value: Any, supported: Collection[tf.DType]) -> tuple[Any, tf.DType | None]:
+        """``value`` cast to its wire dtype, and its own dtype (``None``: sent as it is)."""
+        distributed = isinstance(value, tf.distribute.DistributedValues)
+        local = self.experimental_local_results(value)[0] if distributed else value
+        dtype = getattr(local, "dtype", None) or tf.convert_to_tensor(local).dtype
+        wide = wire_dtype(dtype, supported)
+        if wide is None:
+            return value, None
+        if distributed:
+            return self.run(tf.cast, args=(value, wide)), tf.as_dtype(dtype)
+        return tf.cast(value, wide), tf.as_dtype(dtype)
 
 
 class WorkerRole(NamedTuple):

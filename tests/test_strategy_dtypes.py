@@ -1,0 +1,60 @@
+"""``tfbs.MultiWorkerMirroredStrategy`` with the dtypes TF's collectives do not take: uint8
+labels in ``model.fit`` (a real 2-process cluster on localhost), exact reduce and gather."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import tensorflow as tf
+
+from launch.local_cluster import run_local_cluster
+from tf_blocksparse.distribute import strategy as strategy_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("dtype,supported,wire", [
+    ("uint8", strategy_lib.REDUCE_DTYPES, tf.int32),
+    ("int16", strategy_lib.REDUCE_DTYPES, tf.int32),
+    ("bool", strategy_lib.GATHER_DTYPES, tf.int32),
+    ("uint32", strategy_lib.REDUCE_DTYPES, tf.int64),
+    ("uint64", strategy_lib.GATHER_DTYPES, tf.int64),
+    ("bfloat16", strategy_lib.GATHER_DTYPES, tf.float32),
+    ("bfloat16", strategy_lib.REDUCE_DTYPES, None),
+    ("int32", strategy_lib.REDUCE_DTYPES, None),
+    ("float16", strategy_lib.GATHER_DTYPES, None),
+    ("string", strategy_lib.REDUCE_DTYPES, None),
+])
+def test_wire_dtype(dtype, supported, wire):
+    assert strategy_lib.wire_dtype(dtype, supported) == wire
+
+
+def test_uint8_labels_fit_and_narrow_dtypes_reduce_exactly(tmp_path):
+    """Both workers fit on uint8 labels (Keras reduces the first batch for its symbolic
+    build) and agree.  Every dtype comes back with the numbers of int32 (integers, bool) or
+    float32: as itself, but a MEAN of integers as float64, as int32's."""
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "mwms_dtype_worker.py"), str(tmp_path)]
+    rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": ROOT}, timeout_s=240)
+    assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs above)"
+    records = [json.loads((tmp_path / f"dtypes_{i}.json").read_text()) for i in range(2)]
+    assert records[0]["weights_sum"] == records[1]["weights_sum"]
+    assert all(math.isfinite(loss) for loss in records[0]["loss"])
+    for record in records:
+        values = record["values"]
+        # worker 0 holds [0, 3], worker 1 [1, 5]
+        assert values["int32"] == {"sum": ["int32", [1, 8]], "mean": ["float64", [0.5, 4]],
+                                   "mean0": ["float64", 2.25],
+                                   "gather": ["int32", [0, 3, 1, 5]]}
+        assert values["float32"] == {"sum": ["float32", [1, 8]], "mean": ["float32", [0.5, 4]],
+                                     "mean0": ["float32", 2.25],
+                                     "gather": ["float32", [0, 3, 1, 5]]}
+        for name in ("uint8", "int8", "uint16", "int16", "uint32", "uint64"):
+            assert values[name] == {**values["int32"], "sum": [name, [1, 8]],
+                                    "gather": [name, [0, 3, 1, 5]]}, name
+        for name in ("bfloat16", "float16"):
+            assert values[name] == {key: [name, numbers] for key, (_, numbers)
+                                    in values["float32"].items()}, name
+        assert values["bool"] == {"sum": ["bool", [1, 1]], "mean": ["float64", [0.5, 1]],
+                                  "mean0": ["float64", 0.75], "gather": ["bool", [0, 1, 1, 1]]}
