@@ -126,12 +126,19 @@ def discover_owners(variables: Sequence[Any]) -> dict[int, Any]:
 
 
 def densify(g: Any, v: Any) -> tf.Tensor:
-    """Dense gradient with the variable's static shape (IndexedSlices are summed per row;
-    a gradient whose static shape TF lost, e.g. a Dense kernel on rank-3 input, gets it back).
+    """Dense gradient with the variable's dtype and static shape.
+
+    ``apply`` runs it once per gradient before anything else, so every exchange mode, error
+    feedback and the local momentum see the variable's dtype (as Keras, which casts each
+    gradient, and a dense exchange would): a float64 gradient of a float32 variable is cast.
+    IndexedSlices are summed per row; a gradient whose static shape TF lost (e.g. a Dense
+    kernel on rank-3 input) gets it back.
     """
+    dtype = tf.as_dtype(v.dtype)
     if isinstance(g, tf.IndexedSlices):
-        g = tf.math.unsorted_segment_sum(g.values, g.indices, g.dense_shape[0])
-    return tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
+        g = tf.math.unsorted_segment_sum(tf.cast(g.values, dtype), g.indices,
+                                         g.dense_shape[0])
+    return tf.ensure_shape(tf.cast(tf.convert_to_tensor(g), dtype), v.shape)
 
 
 class OptionsView:
