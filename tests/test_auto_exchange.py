@@ -338,11 +338,13 @@ def test_an_inner_optimizer_that_needs_the_residual_as_a_gradient_flushes_in_the
     assert plain._auto.flush_at_switch
 
 
-def test_the_keyword_default_is_auto_and_an_options_object_keeps_its_own():
+def test_the_default_is_auto_in_both_forms():
     assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1)).compression.auto
     assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=2).compression.auto
     assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1),
-                                     tfbs.CompressionOptions()).exchange == "allgather"
+                                     tfbs.CompressionOptions()).compression.auto
+    assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), tfbs.CompressionOptions(
+        exchange="allgather")).exchange == "allgather"
     assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1),
                                      exchange="shared").exchange == "shared"
 

@@ -33,7 +33,8 @@ def _train(compression, steps: int = 2) -> tuple[HybridTrainer, list]:
 
 def test_dict_spec_and_options_object_train_identically():
     spec, w_spec = _train({"k": 1, "metric": "l2"})
-    opts, w_opts = _train(tfbs.CompressionOptions(k=1, metric="l2", dense_below=0))
+    opts, w_opts = _train(tfbs.CompressionOptions(k=1, metric="l2", exchange="allgather",
+                                                  dense_below=0))
     for a, b in zip(w_spec, w_opts):
         np.testing.assert_array_equal(a, b)
     assert spec.syncs["fc"].options == opts.syncs["fc"].options
@@ -42,7 +43,7 @@ def test_dict_spec_and_options_object_train_identically():
 
 def test_shared_exchange_and_dense_options_in_the_groups():
     shared, w_shared = _train(tfbs.CompressionOptions(k=1, exchange="shared", dense_below=0))
-    _, w_allgather = _train(tfbs.CompressionOptions(k=1, dense_below=0))
+    _, w_allgather = _train(tfbs.CompressionOptions(k=1, exchange="allgather", dense_below=0))
     _, w_dense = _train(None)
     assert any(not np.array_equal(a, b) for a, b in zip(w_shared, w_allgather))
     assert any(not np.array_equal(a, b) for a, b in zip(w_shared, w_dense))
@@ -63,3 +64,10 @@ def test_shared_exchange_and_dense_options_in_the_groups():
 def test_bad_specs_are_named(spec, match):
     with pytest.raises(ValueError, match=match):
         check_compression(spec, "compression")
+
+
+def test_the_options_default_auto_is_named_in_a_group():
+    """``CompressionOptions``' default exchange is the optimizer wrapper's measured "auto";
+    a group sync cannot measure, so it says so at construction."""
+    with pytest.raises(ValueError, match="exchange='auto' \\(the CompressionOptions default"):
+        _train(tfbs.CompressionOptions(k=1), steps=0)

@@ -14,8 +14,8 @@ from tf_blocksparse import options as opts
 def test_defaults_and_normalisation():
     o = tfbs.CompressionOptions()
     assert (o.k, o.density, o.metric, o.exchange, o.granularity, o.dense_below) == (
-        1, None, "l1", "allgather", "block", opts.DEFAULT_DENSE_BELOW)
-    assert o.block_rules == () and o.sparse
+        1, None, "l1", tfbs.AutoExchange(), "block", opts.DEFAULT_DENSE_BELOW)
+    assert o.block_rules == () and o.sparse and o.auto
     d = tfbs.CompressionOptions(density=1, dense_below=None, block_rules={"x": "single"})
     assert (d.k, d.density, d.dense_below) == (None, 1.0, 0)
     assert isinstance(d.density, float) and d.block_rules == (("x", "single"),)
@@ -168,3 +168,18 @@ def test_cross_device_ops_take_the_options_object():
         tfbs.BlockSparseCrossDeviceOps(tfbs.CompressionOptions(exchange="dense"))
     with pytest.raises(ValueError, match="nonfinite"):
         tfbs.BlockSparseCrossDeviceOps(nonfinite="skip")
+
+
+def test_both_forms_default_to_the_same_exchange():
+    """The keyword form and the options object default alike (the measured "auto"); the
+    CrossDeviceOps, which cannot measure, default their keyword form to "allgather" and name
+    the options' "auto" as the reason an options object without a mode is refused."""
+    inner = keras.optimizers.SGD(0.1)
+    keywords = tfbs.BlockSparseOptimizer(inner, k=1, dense_below=0)
+    options = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1),
+                                        tfbs.CompressionOptions(k=1, dense_below=0))
+    assert keywords.compression == options.compression == tfbs.CompressionOptions(
+        k=1, exchange="auto", dense_below=0)
+    assert tfbs.BlockSparseCrossDeviceOps(k=1).exchange == "allgather"
+    with pytest.raises(ValueError, match="`exchange`.*'auto' \\(the CompressionOptions default"):
+        tfbs.BlockSparseCrossDeviceOps(tfbs.CompressionOptions(k=1))

@@ -149,8 +149,10 @@ class CompressionOptions:
         ``"auto"`` / an :class:`AutoExchange` policy: per fusion group, whichever of those
         is predicted fastest to accuracy from measurements on the running cluster (stored
         as the policy object; only the Keras optimizer wrapper supports it).  Default
-        ``"allgather"``, which every shell supports; the optimizer wrapper's keyword
-        arguments default to ``"auto"``.
+        ``"auto"``, as the wrapper's keyword arguments: the measured default.  The shells
+        that cannot measure (``BlockSparseCrossDeviceOps``, the hybrid trainer's groups)
+        reject it and take a sparse mode; their keyword and dict forms default to
+        ``"allgather"``.
       granularity: ``"block"``, or ``"element"`` for element-wise top-k (use ``density``).
       dense_below: Variables with fewer elements are sent whole every step (a dense sum, no
         residual); ``None`` or 0 compresses every variable.
@@ -164,7 +166,7 @@ class CompressionOptions:
     k: int | None = None
     density: float | None = None
     metric: str = "l1"
-    exchange: str | AutoExchange = "allgather"
+    exchange: str | AutoExchange = AUTO_EXCHANGE
     granularity: str = "block"
     dense_below: int = DEFAULT_DENSE_BELOW
     block_rules: tuple[tuple[str, Any], ...] = ()

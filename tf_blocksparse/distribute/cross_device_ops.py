@@ -60,19 +60,20 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
     Args:
       compression: A :class:`~tf_blocksparse.options.CompressionOptions` with a sparse
         ``exchange`` (``"allgather"``: each device its own blocks; ``"shared"``: blocks
-        chosen from the scores summed over devices).
+        chosen from the scores summed over devices).  Not ``"auto"``, the options' default:
+        these ops cannot measure the link, so name the mode.
       model: Optional Keras model whose ``trainable_variables`` the gradients belong to.
       **options: Alternatively, the arguments of ``CompressionOptions`` (``k``,
         ``density``, ``metric``, ``exchange``, ``granularity``, ``dense_below``,
-        ``block_rules``).
+        ``block_rules``); given so, ``exchange`` defaults to ``"allgather"``.
 
     Attributes:
       options: The :class:`~tf_blocksparse.options.CompressionOptions`; its fields are
         also readable as attributes (``k``, ``density``, ...).
 
     Raises:
-      ValueError: A bad option (named), ``exchange="dense"``, or both ``compression`` and
-        option keywords.
+      ValueError: A bad option (named), ``exchange`` ``"dense"`` or ``"auto"``, or both
+        ``compression`` and option keywords.
     """
 
     k = option_view("k", "options")
@@ -85,8 +86,14 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
 
     def __init__(self, compression: CompressionOptions | None = None, *, model: Any = None,
                  **options: Any):
+        if compression is None:  # no measurement here: the keyword form names a mode
+            options = {"exchange": "allgather", **options}
         self.options = options_from(compression, options, "BlockSparseCrossDeviceOps")
-        if not self.options.sparse or self.options.auto:
+        if self.options.auto:
+            raise ValueError(f"`exchange` must be one of {SPARSE_EXCHANGES} for "
+                             "BlockSparseCrossDeviceOps, got 'auto' (the CompressionOptions "
+                             "default): only BlockSparseOptimizer measures the link to choose")
+        if not self.options.sparse:
             raise ValueError(f"`exchange` must be one of {SPARSE_EXCHANGES} for "
                              f"BlockSparseCrossDeviceOps, got {self.options.exchange!r}")
         super().__init__()

@@ -74,7 +74,8 @@ def _spec_options(spec: Mapping[str, Any] | CompressionOptions | None
     if spec is None or isinstance(spec, CompressionOptions):
         return spec
     return CompressionOptions(k=spec.get("k"), density=spec.get("density"),
-                              metric=spec.get("metric", "l1"), dense_below=0)
+                              metric=spec.get("metric", "l1"), exchange="allgather",
+                              dense_below=0)
 
 
 def check_devices(devices: Any, arg: str) -> list[str]:
@@ -200,9 +201,9 @@ class GroupSync:
         self.compression = compression
         options = _spec_options(compression)
         if options is not None and options.auto:
-            raise ValueError(f"`compression` of group {name!r}: exchange='auto' is only "
-                             "supported by BlockSparseOptimizer; choose 'allgather', "
-                             "'shared' or 'dense'")
+            raise ValueError(f"`compression` of group {name!r}: exchange='auto' (the "
+                             "CompressionOptions default) is only supported by "
+                             "BlockSparseOptimizer; choose 'allgather', 'shared' or 'dense'")
         self.options = options if options is not None and options.sparse else None
         refs = self.replicas[0].trainable_refs
         self.layouts = blocks.layouts_for(refs, model,

@@ -79,8 +79,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         all-reduce is disabled).
       compression: A :class:`~tf_blocksparse.options.CompressionOptions` (``k``,
         ``density``, ``metric``, ``exchange``, ``granularity``, ``dense_below``,
-        ``block_rules``).  Its arguments may instead be given as keywords here; given so,
-        ``exchange`` defaults to ``"auto"`` (an options object keeps its own).
+        ``block_rules``).  Its arguments may instead be given as keywords here; either
+        form defaults to ``exchange="auto"``.
       momentum_correction: Where the momentum lives: a
         :class:`~tf_blocksparse.keras.momentum.MomentumCorrection`, or its shorthand:
         ``"auto"`` (default: an inner ``SGD(momentum=m)``, not Nesterov, with a sparse

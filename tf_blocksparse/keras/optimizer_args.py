@@ -11,7 +11,6 @@ import tensorflow as tf
 from tf_blocksparse import _compat
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.options import (
-    AUTO_EXCHANGE,
     DEFAULT_DENSE_BELOW,
     NONFINITE,
     OPTION_NAMES,
@@ -84,9 +83,8 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
     """The compression options and the momentum policy of the wrapper's arguments.
 
     ``kwargs`` may hold the arguments of :class:`CompressionOptions` (instead of
-    ``compression``) and ``momentum_masking`` (with a non-policy ``momentum_correction``).
-    Without ``compression`` and ``exchange`` the exchange is ``"auto"`` (a
-    ``CompressionOptions`` passed in keeps its own ``exchange``).
+    ``compression``) and ``momentum_masking`` (with a non-policy ``momentum_correction``);
+    either form defaults to ``exchange="auto"``.
     ``"auto"`` is resolved last (it changes the inner optimizer), once every check passed.
 
     Raises:
@@ -101,8 +99,6 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
     if other:
         raise ValueError(f"BlockSparseOptimizer does not take {other}; set them on the inner "
                          "optimizer")
-    if compression is None and "exchange" not in kwargs:  # the wrapper's own default
-        kwargs = {**kwargs, "exchange": AUTO_EXCHANGE}
     options = options_from(compression, kwargs, "BlockSparseOptimizer")
     if isinstance(momentum_correction, MomentumCorrection):
         if masking is not _UNSET:
