@@ -23,7 +23,13 @@ are packed into one buffer per kind):
 
 Variables sent whole (``BlockTopK.whole``, below its ``dense_below``) need neither ids nor
 scores: both sparse modes sum them with one more sum of their packed accumulations
-(``itemsize * sum size_v`` bytes); when every variable is whole that is the only collective.
+(``itemsize * sum size_v`` bytes).
+
+A sparse mode whose compressor keeps every block of every variable (``BlockTopK.keeps_all``:
+``density=1.0``, a ``k`` at least every block count, or every variable whole) selects nothing,
+so it runs as ``"dense"`` with its residuals (the dense bytes exactly, the weights of
+``"dense"``); its result still says every block was sent (``blocks_kept``, ``sent_ids``), so
+momentum correction masks as in the sparse modes.
 
 Keras divides each replica's loss by the number of replicas, so a SUM is the mean.  Every
 mode also returns a replica-identical ``finite`` flag without a collective of its own (the
@@ -86,8 +92,9 @@ def dense_nbytes(tensors: Sequence[tf.Tensor]) -> int:
 def selection_nbytes(comp: BlockTopK, dtypes: Sequence[Any]) -> int:
     """Bytes of what one replica selects per step: an int32 id per kept block of each
     compressed variable and the values of every kept block (a variable sent whole: all its
-    values, no ids)."""
-    return sum((0 if whole else 4 * n) + n * lay.block_size * tf.as_dtype(dt).size
+    values, no ids; a compressor that keeps every block: the dense bytes)."""
+    return sum((0 if whole or comp.keeps_all else 4 * n) + n * lay.block_size
+               * tf.as_dtype(dt).size
                for lay, n, whole, dt in zip(comp.layouts, comp.counts, comp.whole, dtypes))
 
 
@@ -95,8 +102,9 @@ def group_cost(comp: BlockTopK, dtypes: Sequence[Any], compress_s: float = 0.0) 
     """The bytes one replica hands to each mode's collectives for ``comp``'s variables
     (static, the buffers :func:`run` builds), with a measured compression time."""
     sizes = [tf.as_dtype(dt).size for dt in dtypes]
-    whole = sum(lay.size * it for lay, w, it in zip(comp.layouts, comp.whole, sizes) if w)
-    parts = [(n, lay, it) for lay, n, w, it in zip(comp.layouts, comp.counts, comp.whole, sizes)
+    whole_flags = [True] * len(sizes) if comp.keeps_all else comp.whole  # run as dense
+    whole = sum(lay.size * it for lay, w, it in zip(comp.layouts, whole_flags, sizes) if w)
+    parts = [(n, lay, it) for lay, n, w, it in zip(comp.layouts, comp.counts, whole_flags, sizes)
              if not w]
     return GroupCost(
         dense_bytes=sum(lay.size * it for lay, it in zip(comp.layouts, sizes)),
@@ -304,6 +312,19 @@ def _dense(comm: Any, grads: Sequence[Sequence[tf.Tensor]],
             for res in residuals]
 
 
+def _dense_keeping_all(comm: Any, comp: BlockTopK, grads: Sequence[Sequence[tf.Tensor]],
+                       state: Sequence[Sequence[tf.Tensor]]) -> list[ExchangeResult]:
+    """A sparse mode whose compressor keeps every block: the dense sum of ``grad +
+    residual`` (zero residuals after), reported as every block sent."""
+    all_ids = []
+    for r in range(len(grads)):
+        with comm.local(r):
+            all_ids.append(tuple(tf.range(lay.num_blocks, dtype=tf.int32)
+                                 for lay in comp.layouts))
+    return [dataclasses.replace(result, blocks_kept=sum(comp.counts), sent_ids=ids)
+            for result, ids in zip(_dense(comm, grads, state), all_ids)]
+
+
 def run(comm: Any, mode: str, comp: BlockTopK | None, grads: Sequence[Sequence[tf.Tensor]],
         state: Sequence[Sequence[tf.Tensor]] | None) -> list[ExchangeResult]:
     """Error feedback + selection + exchange for one step of the local replicas.
@@ -311,7 +332,8 @@ def run(comm: Any, mode: str, comp: BlockTopK | None, grads: Sequence[Sequence[t
     Args:
       comm: A :class:`~tf_blocksparse.collectives.ReplicaCollectives` (one local replica)
         or :class:`~tf_blocksparse.collectives.DeviceCollectives` (one per device).
-      mode: One of :data:`EXCHANGES`.
+      mode: One of :data:`EXCHANGES`; a sparse one whose ``comp`` keeps every block runs as
+        ``"dense"`` (module docstring).
       comp: The compressor (unused for ``"dense"``).
       grads: ``grads[r][v]``: local replica ``r``'s gradient of variable ``v`` [*shape_v].
       state: ``state[r][v]``: its residual [*shape_v]; ``"dense"`` flushes it when given.
@@ -322,6 +344,8 @@ def run(comm: Any, mode: str, comp: BlockTopK | None, grads: Sequence[Sequence[t
     check_choice(mode, EXCHANGES, "exchange")
     if mode == "dense":
         return _dense(comm, grads, state)
+    if comp.keeps_all:
+        return _dense_keeping_all(comm, comp, grads, state)
     prepared = []
     for r, (g, s) in enumerate(zip(grads, state)):
         with comm.local(r):

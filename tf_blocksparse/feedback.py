@@ -111,6 +111,13 @@ class BlockTopK:
             else selection.num_selected(lay.num_blocks, self.k, self.density)
             for lay, whole in zip(self.layouts, self.whole))
 
+    @property
+    def keeps_all(self) -> bool:
+        """Whether every block of every variable is kept each step (``density=1.0``, a ``k``
+        of at least every block count, or every variable under ``dense_below``): nothing
+        waits, so the exchanges send such a group as a plain dense sum."""
+        return all(n == lay.num_blocks for n, lay in zip(self.counts, self.layouts))
+
     def init(self, dtypes: Sequence[tf.DType] | None = None) -> tuple[tf.Tensor, ...]:
         """Zero residuals, one [*shape] tensor per variable."""
         dtypes = dtypes or [tf.float32] * len(self.layouts)

@@ -187,6 +187,13 @@ class CompressionOptions:
         return self.exchange != "dense"
 
     @property
+    def keeps_every_block(self) -> bool:
+        """Whether every block of every variable is kept (``density=1.0``): the sparse modes
+        then send the plain dense all-reduce (a ``k`` that reaches every block count does
+        too, per fusion group, once the layouts are known)."""
+        return self.density == 1.0
+
+    @property
     def auto(self) -> bool:
         """Whether the exchange mode is chosen per fusion group at run time."""
         return isinstance(self.exchange, AutoExchange)

@@ -107,7 +107,8 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
     else:
         policy = MomentumCorrection.from_arguments(
             momentum_correction, "all" if masking is _UNSET else masking)
-    return options, None if policy is None else policy.resolve(inner, options.sparse)
+    sparse = options.sparse and not options.keeps_every_block  # density=1.0 sends dense
+    return options, None if policy is None else policy.resolve(inner, sparse)
 
 
 @tf.autograph.experimental.do_not_convert
