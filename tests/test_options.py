@@ -183,3 +183,40 @@ def test_both_forms_default_to_the_same_exchange():
     assert tfbs.BlockSparseCrossDeviceOps(k=1).exchange == "allgather"
     with pytest.raises(ValueError, match="`exchange`.*'auto' \\(the CompressionOptions default"):
         tfbs.BlockSparseCrossDeviceOps(tfbs.CompressionOptions(k=1))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"dnesity": 0.1}, r"unknown keyword argument: `dnesity` \(did you mean 'density'\?\)$"),
+    ({"nonfinte": "skip"}, r"`nonfinte` \(did you mean 'nonfinite'\?\)$"),
+    ({"metrik": "l2", "exchnage": "shared"},
+     r"unknown keyword arguments: `exchnage` \(did you mean 'exchange'\?\), `metrik` "
+     r"\(did you mean 'metric'\?\)$"),
+    ({"zzz": 1}, r"`zzz`; known keywords: compression, momentum_correction, .*block_rules$"),
+    ({"clipnorm": 1.0}, r"^`clipnorm` is an argument of the inner optimizer, not of "
+                        r"BlockSparseOptimizer: set it there, e.g. .*SGD\(\.\.\., clipnorm="),
+])
+def test_unknown_keywords_are_named_with_the_closest(kwargs, match):
+    """A typo gets the keyword it resembles; only the inner optimizer's own arguments are sent
+    there (a typo is not)."""
+    with pytest.raises(ValueError, match=match) as err:
+        tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+    if "clipnorm" not in kwargs:
+        assert "inner optimizer" not in str(err.value)
+
+
+def test_the_keyword_list_is_the_constructors():
+    import inspect
+
+    from tf_blocksparse.keras.optimizer_args import KEYWORDS
+
+    own = set(inspect.signature(tfbs.BlockSparseOptimizer.__init__).parameters) - {
+        "self", "inner", "options"}
+    assert own | set(opts.OPTION_NAMES) | {"momentum_masking"} == set(KEYWORDS)
+
+
+def test_cross_device_ops_and_configs_name_the_closest_option():
+    with pytest.raises(ValueError, match=r"`dnsity` \(did you mean 'density'\?\)"):
+        tfbs.BlockSparseCrossDeviceOps(dnsity=0.5)
+    with pytest.raises(ValueError, match=r"CompressionOptions got an unknown keyword argument: "
+                                         r"`metirc` \(did you mean 'metric'\?\)"):
+        tfbs.CompressionOptions.from_config({"k": 1, "metirc": "l2"})

@@ -15,8 +15,9 @@ non-finite policies and momentum maskings).  This module is pure Python (no Tens
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tf_blocksparse import blocks
@@ -54,6 +55,22 @@ def check_choice(value: Any, choices: Sequence[str], argument: str) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"`{argument}` must be one of {tuple(choices)}, got {value!r}")
     return value
+
+
+def unknown_keywords_message(owner: str, unknown: Iterable[str], known: Sequence[str]) -> str:
+    """The error message for keyword arguments ``unknown`` that ``owner`` does not take.
+
+    Each is named with the closest of ``known`` (``difflib``) as "did you mean"; when one
+    has none, the message lists ``known``.
+    """
+    parts, unmatched = [], False
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, list(known), n=1)
+        parts.append(f"`{name}` (did you mean {close[0]!r}?)" if close else f"`{name}`")
+        unmatched = unmatched or not close
+    noun = "an unknown keyword argument" if len(parts) == 1 else "unknown keyword arguments"
+    message = f"{owner} got {noun}: {', '.join(parts)}"
+    return message + (f"; known keywords: {', '.join(known)}" if unmatched else "")
 
 
 def validate_k_density(k: int | None, density: float | None) -> tuple[int | None, float | None]:
@@ -229,9 +246,10 @@ class CompressionOptions:
         Raises:
           ValueError: Unknown keys (named) or bad values.
         """
-        unknown = set(config) - {f.name for f in dataclasses.fields(cls)}
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(config) - set(known)
         if unknown:
-            raise ValueError(f"CompressionOptions does not take {sorted(unknown)}")
+            raise ValueError(unknown_keywords_message("CompressionOptions", unknown, known))
         return cls(**config)
 
 
@@ -269,12 +287,13 @@ def options_from(compression: Any, keywords: Mapping[str, Any], owner: str
       owner: The constructor's name, for errors.
 
     Raises:
-      ValueError: A keyword that is not an option, both forms given, or a bad value.
+      ValueError: A keyword that is not an option (named, with the closest option), both
+        forms given, or a bad value.
       TypeError: ``compression`` of the wrong type.
     """
-    unknown = sorted(set(keywords) - set(OPTION_NAMES))
+    unknown = set(keywords) - set(OPTION_NAMES)
     if unknown:
-        raise ValueError(f"{owner} does not take {unknown}")
+        raise ValueError(unknown_keywords_message(owner, unknown, OPTION_NAMES))
     if compression is None:
         return CompressionOptions(**keywords)
     if keywords:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,11 +19,53 @@ from tf_blocksparse.options import (
     check_choice,
     option_view,
     options_from,
+    unknown_keywords_message,
 )
 
 #: Default of ``dense_below`` (see :data:`tf_blocksparse.options.DEFAULT_DENSE_BELOW`).
 DENSE_BELOW = DEFAULT_DENSE_BELOW
+#: Every keyword argument ``BlockSparseOptimizer`` takes (its own and the options').
+KEYWORDS = ("compression", "momentum_correction", "momentum_masking", "clipping", "nonfinite",
+            "fusion_buffer_bytes", "model", "name", *OPTION_NAMES)
 _UNSET = object()
+
+
+def inner_arguments(inner: keras.optimizers.Optimizer) -> frozenset[str]:
+    """The keyword arguments of ``inner``'s constructor (``momentum``, ``clipnorm``...)."""
+    names: set[str] = set()
+    for cls in (type(inner), keras.optimizers.Optimizer):
+        try:
+            params = inspect.signature(cls.__init__).parameters.values()
+        except (TypeError, ValueError):  # no introspectable signature
+            continue
+        names.update(p.name for p in params if p.name != "self" and p.kind in (
+            p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return frozenset(names)
+
+
+def check_keywords(inner: keras.optimizers.Optimizer, kwargs: Mapping[str, Any]) -> None:
+    """Checks that the wrapper's extra keyword arguments are options.
+
+    Raises:
+      ValueError: Naming each other keyword: one of the inner optimizer's arguments is to be
+        set there; any other gets the closest keyword of the wrapper ("did you mean").
+    """
+    other = set(kwargs) - set(KEYWORDS)
+    if not other:
+        return
+    theirs = sorted(other & inner_arguments(inner))
+    messages = []
+    if other - set(theirs):
+        messages.append(unknown_keywords_message("BlockSparseOptimizer", other - set(theirs),
+                                                 KEYWORDS))
+    if theirs:
+        names = ", ".join(f"`{n}`" for n in theirs)
+        verb, pronoun = ("is an argument", "it") if len(theirs) == 1 else ("are arguments",
+                                                                          "them")
+        messages.append(f"{names} {verb} of the inner optimizer, not of BlockSparseOptimizer: "
+                        f"set {pronoun} there, e.g. BlockSparseOptimizer("
+                        f"{type(inner).__name__}(..., {theirs[0]}=...))")
+    raise ValueError("; ".join(messages))
 
 
 def check_inner(inner: Any) -> keras.optimizers.Optimizer:
@@ -88,17 +131,15 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
     ``"auto"`` is resolved last (it changes the inner optimizer), once every check passed.
 
     Raises:
-      ValueError: Naming the argument: a bad option, ``learning_rate`` (it is the inner
-        optimizer's), or any other keyword.
+      ValueError: Naming the argument: a bad option, ``learning_rate`` or another argument
+        of the inner optimizer (to be set there), or any other keyword (with the closest
+        keyword the wrapper takes, see :func:`check_keywords`).
     """
     if "learning_rate" in kwargs:
         raise ValueError("`learning_rate` is the inner optimizer's: set it there, e.g. "
                          "BlockSparseOptimizer(keras.optimizers.SGD(learning_rate=0.1))")
+    check_keywords(inner, kwargs)
     masking = kwargs.pop("momentum_masking", _UNSET)
-    other = sorted(set(kwargs) - set(OPTION_NAMES))
-    if other:
-        raise ValueError(f"BlockSparseOptimizer does not take {other}; set them on the inner "
-                         "optimizer")
     options = options_from(compression, kwargs, "BlockSparseOptimizer")
     if isinstance(momentum_correction, MomentumCorrection):
         if masking is not _UNSET:
