@@ -95,15 +95,8 @@ def num_examples(x) -> int:
     return len(x[0]) if isinstance(x, tuple) else len(x)
 
 
-def train_dataset(arrays: Arrays, global_batch: int, num_workers: int, worker_index: int,
-                  seed: int) -> tuple[tf.data.Dataset, int]:
-    """This worker's shard, shuffled, batched per worker and repeated.
-
-    Every worker gets the same number of steps (``steps_per_epoch``) so no collective waits
-    for a worker that ran out of data.
-
-    Returns:
-      ``(dataset, steps_per_epoch)``.
+def steps_per_epoch(arrays: Arrays, global_batch: int, num_workers: int) -> int:
+    """Steps in one pass over a worker's shard (the smallest shard: every worker the same).
 
     Raises:
       ValueError: If ``global_batch`` is not a multiple of ``num_workers`` or exceeds a shard.
@@ -111,16 +104,94 @@ def train_dataset(arrays: Arrays, global_batch: int, num_workers: int, worker_in
     if global_batch % num_workers:
         raise ValueError(f"`batch_size` {global_batch} must be a multiple of the "
                          f"{num_workers} workers")
-    per_worker = global_batch // num_workers
-    steps = num_examples(arrays.train[0]) // num_workers // per_worker
+    steps = num_examples(arrays.train[0]) // num_workers // (global_batch // num_workers)
     if steps < 1:
         raise ValueError(f"`batch_size` {global_batch} is larger than the training set allows")
-    ds = tf.data.Dataset.from_tensor_slices(arrays.train).shard(num_workers, worker_index)
-    ds = ds.shuffle(10_000, seed=seed + worker_index, reshuffle_each_iteration=True)
-    ds = ds.batch(per_worker, drop_remainder=True).repeat().prefetch(tf.data.AUTOTUNE)
+    return steps
+
+
+def train_dataset(arrays: Arrays, global_batch: int, num_workers: int, worker_index: int,
+                  seed: int, start_batch: int = 0) -> tuple[tf.data.Dataset, int]:
+    """This worker's shard, reshuffled every epoch, batched per worker, endless.
+
+    The order is a pure function of ``(seed, worker_index, epoch)``: epoch ``e`` reads the
+    shard in a stateless permutation seeded by ``[seed + worker_index, e]``.  So every new
+    iterator over the data set starts at the same batch (Keras iterates a training data set
+    more than once), and a resumed run that passes ``start_batch`` = the batches already
+    trained reads exactly the batches the interrupted run had not reached.  Every worker gets
+    the same number of steps per epoch so no collective waits for a worker that ran out.
+
+    Args:
+      arrays: The data set (``arrays.train`` is read).
+      global_batch: Examples per step, all workers together.
+      num_workers: Workers; worker ``i`` reads examples ``i, i + num_workers, ...``.
+      worker_index: This worker's index.
+      seed: The run's seed.
+      start_batch: Batches of the endless stream to skip (a resumed run's trained steps).
+
+    Returns:
+      ``(dataset, steps_per_epoch)``; the data set yields this worker's batches of
+      ``global_batch / num_workers`` examples.
+
+    Raises:
+      ValueError: If ``global_batch`` is not a multiple of ``num_workers`` or exceeds a shard,
+        or ``start_batch`` < 0.
+    """
+    steps = steps_per_epoch(arrays, global_batch, num_workers)
+    if start_batch < 0:
+        raise ValueError(f"`start_batch` must be >= 0, got {start_batch}")
+    per_worker = global_batch // num_workers
+    shard = np.arange(worker_index, num_examples(arrays.train[0]), num_workers)
+    shard_t = tf.constant(shard, tf.int64)
+    data_t = tf.nest.map_structure(tf.convert_to_tensor, arrays.train)
+    stream_seed = tf.constant(seed + worker_index, tf.int64)
+
+    def epoch(e: tf.Tensor) -> tf.data.Dataset:
+        order = tf.random.experimental.stateless_shuffle(shard_t, tf.stack([stream_seed, e]))
+        return tf.data.Dataset.from_tensor_slices(order[:steps * per_worker]).batch(per_worker)
+
+    def gather(idx: tf.Tensor):
+        return tf.nest.map_structure(lambda a: tf.gather(a, idx), data_t)
+
+    ds = tf.data.Dataset.range(2**62).flat_map(epoch).skip(start_batch)  # indices: cheap
+    ds = ds.map(gather, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    options.deterministic = True
     return ds.with_options(options), steps
+
+
+def train_input(strategy: tf.distribute.Strategy, arrays: Arrays, global_batch: int,
+                num_workers: int, worker_index: int, seed: int, start_batch: int = 0):
+    """What ``model.fit`` trains on: :func:`train_dataset` as the strategy needs it.
+
+    On several workers every worker's pipeline goes through
+    ``distribute_datasets_from_function`` with per-replica batches, so a step trains on
+    ``global_batch`` examples: ``global_batch / num_workers`` from each worker's own shard.
+    (Handing a per-worker data set to ``model.fit`` directly would make the strategy split
+    each worker's batch over all replicas of the cluster: each step would train on
+    ``global_batch / num_workers`` examples in all.)  On one worker the data set itself.
+
+    Returns:
+      ``(input, steps_per_epoch)``.
+
+    Raises:
+      ValueError: ``global_batch`` is not a multiple of the replicas.
+    """
+    dataset, steps = train_dataset(arrays, global_batch, num_workers, worker_index, seed,
+                                   start_batch)
+    replicas = strategy.num_replicas_in_sync
+    if num_workers == 1:
+        return dataset, steps
+    if global_batch % replicas:
+        raise ValueError(f"`batch_size` {global_batch} must be a multiple of the {replicas} "
+                         f"replicas")
+    per_replica = global_batch // replicas
+
+    def per_worker(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        return dataset.rebatch(per_replica, drop_remainder=True)
+
+    return strategy.distribute_datasets_from_function(per_worker), steps
 
 
 def eval_kwargs(model: str) -> dict:

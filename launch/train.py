@@ -129,9 +129,16 @@ def run(argv_flags=FLAGS) -> dict:
     num_workers, index, chief = worker_role(strategy)
     arrays = inputs.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
                                   f.synthetic_shape, f.train_samples, f.seed, f.test_samples)
-    train_ds, steps = inputs.train_dataset(arrays, f.batch_size, num_workers, index, f.seed)
+    steps = inputs.steps_per_epoch(arrays, f.batch_size, num_workers)
     if f.steps_per_epoch:
         steps = min(steps, f.steps_per_epoch)
+    resumed = 0
+    if f.model_dir:  # a resumed run reads the batches the interrupted one had not reached
+        from tf_blocksparse.keras.backup import resumed_epoch
+
+        resumed = resumed_epoch(os.path.join(f.model_dir, "backup"))
+    train_ds, _ = inputs.train_input(strategy, arrays, f.batch_size, num_workers, index,
+                                     f.seed, start_batch=resumed * steps)
     sequence = registry.is_sequence_model(f.model)
     with strategy.scope():
         model = registry.build_model(f.model, arrays.input_shape, arrays.num_classes, seed=f.seed)

@@ -201,18 +201,31 @@ def test_variable_storage_is_a_tf_variable():
     assert isinstance(_compat.variable_storage(v), tf.Variable)
 
 
-def test_set_backup_directory(tmp_path):
-    cb = keras.callbacks.BackupAndRestore(str(tmp_path / "a"))
-    _compat.set_backup_directory(cb, str(tmp_path / "b"))
-    assert cb.backup_dir == str(tmp_path / "b")
-    assert cb._weights_path == os.path.join(tmp_path, "b", "latest.weights.h5")
-    assert cb._training_metadata_path == os.path.join(tmp_path, "b", "training_metadata.json")
-    assert cb._prev_weights_path.endswith("latest.weights.h5.bkp")
-    # Keras derives exactly these paths itself from the directory it is given.
-    fresh = keras.callbacks.BackupAndRestore(str(tmp_path / "b"))
-    for attr in ("_weights_path", "_training_metadata_path", "_prev_weights_path",
-                 "_prev_training_metadata_path"):
-        assert getattr(cb, attr) == getattr(fresh, attr), attr
+def test_on_read_variables_and_their_local_components():
+    """A per-replica (on-read) Keras variable is recognised, and its components are this
+    process's replicas' own tf.Variables: assigning one changes only that replica's value."""
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    strategy = tf.distribute.MirroredStrategy(devices)
+    with strategy.scope():
+        state = keras.Variable(np.zeros((3,), "float32"), trainable=False,
+                               synchronization="on_read", aggregation="sum")
+        mirrored = keras.Variable(np.zeros((3,), "float32"))
+    assert _compat.is_on_read(state) and not _compat.is_on_read(mirrored)
+    parts = _compat.local_components(state)
+    assert len(parts) == len(devices) and all(isinstance(p, tf.Variable) for p in parts)
+    parts[-1].assign(np.full((3,), 2.0, "float32"))
+    np.testing.assert_array_equal(parts[0].numpy(), np.zeros(3))
+    with strategy.scope():
+        np.testing.assert_array_equal(state.numpy(), np.full(3, 2.0))  # the sum over replicas
+    plain = keras.Variable(np.ones((2,), "float32"))
+    assert not _compat.is_on_read(plain)
+    assert [p.numpy().tolist() for p in _compat.local_components(plain)] == [[1.0, 1.0]]
+
+
+def test_backup_files_are_the_ones_keras_writes(tmp_path):
+    cb = keras.callbacks.BackupAndRestore(str(tmp_path / "b"))
+    for attr, name in _compat.BACKUP_FILES.items():
+        assert getattr(cb, attr) == os.path.join(tmp_path, "b", name), attr
 
 
 def test_xplane_proto_parses_a_space():

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -212,30 +211,69 @@ def test_one_failing_worker_fails_the_run_quickly(tmp_path, capsys):
     assert not (tmp_path / "metrics.json").exists()  # the chief was stopped, not finished
 
 
-def test_kill_and_resume_restores_residual_sum(tmp_path):
-    args = [*TRAIN, "--epochs=3", "--save_freq=5", f"--model_dir={tmp_path}",
-            "--compression=block", "--k=1", "--dense_below=0",  # every residual non-zero
-            "--exchange=allgather"]
-    rc = run_local_cluster([*args, "--fail_at_step=30", "--fail_worker=1"], 2, env=ENV,
-                           timeout_s=300, grace_s=3)
-    assert rc == 17  # killed mid-epoch 2 (22 steps per epoch per worker)
-    backup = tmp_path / "backup" / "latest.weights.h5"
-    saved = tmp_path / "saved.weights.h5"
-    shutil.copy(backup, saved)
-    meta = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
-    assert meta["epoch"] == 1  # last backup: step 30 of epoch 2 (Keras resumes per epoch)
-    rc = run_local_cluster([*args, f"--dump_restored={tmp_path}/restored"], 2, env=ENV,
-                           timeout_s=300)
+def _final_weights(model_dir) -> dict[str, np.ndarray]:
+    """Every array of the run's final ``model.keras`` (weights and optimizer state)."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(model_dir / "model.keras") as z, z.open("model.weights.h5") as fh:
+        with h5py.File(fh, "r") as h5:
+            h5.visititems(lambda name, obj: out.__setitem__(name, np.asarray(obj))
+                          if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def test_every_step_trains_the_global_batch(capfd):
+    """Under MultiWorkerMirroredStrategy a step trains on --batch_size examples in all (each
+    worker its share of its own shard), so an epoch is one pass over the training data."""
+    worker = os.path.join(ROOT, "tests", "batch_count_worker.py")
+    rc = run_local_cluster([sys.executable, worker], 2, env=ENV, timeout_s=300)
     assert rc == 0
-    m = json.loads((tmp_path / "metrics.json").read_text())
+    lines = [line for line in capfd.readouterr().out.splitlines() if '"examples"' in line]
+    assert len(lines) == 2
+    for line in lines:
+        got = json.loads(line[line.index("{"):])
+        assert got["examples"] == 64 * got["steps"], got
+
+
+def test_kill_and_resume_is_exact_and_backups_read_no_replica_state(tmp_path):
+    """A 2-worker run killed mid-epoch and resumed ends with the same weights and optimizer
+    state, bit for bit, as the uninterrupted run.  Each replica gets exactly its own residuals
+    back from its worker's file; the chief's checkpoint holds no per-replica state (saving
+    it needs no collective) and no worker writes a private checkpoint."""
+    args = [*TRAIN, "--epochs=3", "--deterministic", "--compression=block", "--k=1",
+            "--dense_below=0", "--exchange=allgather"]  # every residual non-zero
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert run_local_cluster([*args, f"--model_dir={whole}"], 2, env=ENV,
+                             timeout_s=300) == 0
+    rc = run_local_cluster([*args, f"--model_dir={broken}", "--fail_at_step=30",
+                            "--fail_worker=1"], 2, env=ENV, timeout_s=300, grace_s=3)
+    assert rc == 17  # killed mid-epoch 2 (22 steps per epoch per worker)
+    backup = broken / "backup"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "whole"]  # no .worker_1
+    assert json.loads((backup / "training_metadata.json").read_text())["epoch"] == 1
+    saved = [np.load(backup / "replica_state" / f"worker_{i}.npz") for i in range(2)]
+    with h5py.File(backup / "latest.weights.h5", "r") as h5:
+        opt_vars = len(h5["optimizer"]["vars"])
+    assert opt_vars == 4  # iterations and learning rate of the wrapper and of the inner SGD
+    rc = run_local_cluster([*args, f"--model_dir={broken}",
+                            f"--dump_restored={tmp_path}/restored"], 2, env=ENV, timeout_s=300)
+    assert rc == 0
+    m = json.loads((broken / "metrics.json").read_text())
     assert m["initial_epoch"] == 1 and len(m["history"]["loss"]) == 2
-    r0, r1 = (np.load(tmp_path / f"restored.worker_{i}.npz") for i in range(2))
-    with h5py.File(saved, "r") as h5:
-        vars_ = h5["optimizer"]["vars"]
-        stored = [np.asarray(vars_[str(2 + i)]) for i in range(len(r0.files))]
-    for i, key in enumerate(r0.files):
-        assert np.any(stored[i] != 0)
-        np.testing.assert_array_equal(r0[key] + r1[key], stored[i])
+    for i, state in enumerate(saved):
+        restored = np.load(tmp_path / f"restored.worker_{i}.npz")
+        meta = json.loads(str(state["meta"]))
+        residuals = [k for k, n in enumerate(meta["names"]) if "residual" in n]
+        assert len(residuals) == len(restored.files) > 0
+        for key, k in zip(restored.files, residuals):  # this replica's own, not sum / N
+            assert np.any(state[f"s{k}_r0"] != 0)
+            np.testing.assert_array_equal(restored[key], state[f"s{k}_r0"])
+    assert not (broken / "backup").exists()  # removed at the end, as Keras does
+    a, b = _final_weights(whole), _final_weights(broken)
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 def test_epoch_clock_counts_training_steps_only():

@@ -208,25 +208,26 @@ def variable_storage(variable: Any) -> Any:
     return getattr(variable, "_value", variable)
 
 
+def is_on_read(variable: Any) -> bool:
+    """Whether a Keras variable is per-replica state (``synchronization="on_read"``)."""
+    import tensorflow as tf
+
+    storage = variable_storage(variable)
+    return getattr(storage, "synchronization", None) == tf.VariableSynchronization.ON_READ
+
+
+def local_components(variable: Any) -> tuple[Any, ...]:
+    """The per-replica ``tf.Variable`` components of an on-read Keras variable that live on
+    this process's devices, in local replica order (one per local replica; the variable itself
+    outside a strategy).  Reading or assigning them is local: no collective."""
+    storage = variable_storage(variable)
+    return tuple(getattr(storage, "values", (storage,)))
+
+
 # -- Keras callbacks -----------------------------------------------------------------------
+#: The files Keras' ``BackupAndRestore`` writes in its directory, by the attribute holding each.
 BACKUP_FILES = {"_weights_path": "latest.weights.h5",
                 "_training_metadata_path": "training_metadata.json"}
-
-
-def set_backup_directory(callback: Any, directory: str) -> None:
-    """Points a ``keras.callbacks.BackupAndRestore`` at ``directory`` after construction
-    (Keras derives its file paths once, in ``__init__``)."""
-    import os
-
-    for attr in (*BACKUP_FILES, "_prev_weights_path", "_prev_training_metadata_path"):
-        if not hasattr(callback, attr):
-            raise RuntimeError(f"keras.callbacks.BackupAndRestore has no `{attr}`: this Keras "
-                               f"version is not supported (tested: Keras {TESTED['keras']})")
-    callback.backup_dir = directory
-    for attr, name in BACKUP_FILES.items():
-        setattr(callback, attr, os.path.join(directory, name))
-    callback._prev_weights_path = f"{callback._weights_path}.bkp"
-    callback._prev_training_metadata_path = f"{callback._training_metadata_path}.bkp"
 
 
 def resumed_epoch(model: Any) -> int:
@@ -244,9 +245,9 @@ def xplane_proto() -> Any:
 
 __all__: Sequence[str] = [
     "TESTED", "after_gradient_all_reduce", "build_input_shapes", "disable_gradient_all_reduce",
-    "flatten_layers",
-    "gradient_all_reduce_disabled", "keras_history", "no_automatic_dependency_tracking",
-    "nodes_by_depth", "own_trainable_variables", "resumed_epoch", "set_backup_directory",
+    "flatten_layers", "gradient_all_reduce_disabled", "is_on_read", "keras_history",
+    "local_components", "no_automatic_dependency_tracking", "nodes_by_depth",
+    "own_trainable_variables", "resumed_epoch",
     "strategy_cross_device_ops", "strategy_supports_no_merge_call", "variable_owners",
     "variable_storage", "xplane_proto",
 ]

@@ -1,64 +1,135 @@
-"""``BackupAndRestore`` that is safe with several worker processes.
+"""``BackupAndRestore`` that puts no optimizer state on the network, and ``save_model``.
 
-Keras' callback makes every worker write the same files.  Saving must still run on every
-worker (reading per-replica residuals is a collective), so here the chief writes to
-``backup_dir`` and other workers to a private ``<backup_dir>.worker_<i>`` that is removed
-again; every worker restores from the chief's files.  Restored residuals: a checkpoint
-holds their sum over replicas, and on load each replica gets ``sum / N``, so the total error
-feedback carried into the resumed run is the one that was saved.
+Keras' callback makes every worker write the same files.  Here:
+
+* the chief alone writes Keras' checkpoint (weights, the optimizer's shared state such as
+  ``iterations`` and the inner optimizer's slots) to ``backup_dir``: reading mirrored
+  variables is local;
+* every worker writes its own replicas' per-replica state (residuals, local velocities,
+  clipping state) to ``backup_dir/replica_state/worker_<i>.npz``
+  (:mod:`tf_blocksparse.keras.replica_state`): local reads, no collective, so a backup costs
+  no link bandwidth however large that state is;
+* on restore every worker loads the chief's checkpoint and each replica gets exactly its own
+  state back; onto a different number of replicas each gets ``sum / N`` (one warning).
+
+``backup_dir`` must be shared by the workers (the same path on one host, or a shared file
+system), as it must for Keras' own callback.  Training resumes at the start of the epoch after
+the last backup (Keras' rule): with ``save_freq="epoch"`` and a data order that is a function
+of the epoch, a resumed run ends with the same weights as an uninterrupted one; with a step
+``save_freq`` the weights of the last backup are restored and that epoch is trained again.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 
 import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat
 from tf_blocksparse.distribute.strategy import worker_role
+from tf_blocksparse.keras import replica_state
+
+#: The folder of ``backup_dir`` that holds the workers' per-replica state files.
+STATE_DIR = "replica_state"
+
+
+def block_sparse_optimizer(optimizer: keras.optimizers.Optimizer | None):
+    """The ``BlockSparseOptimizer`` in ``optimizer`` (itself or inside a wrapper such as
+    ``LossScaleOptimizer``), else ``None``."""
+    from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
+
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, BlockSparseOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+        seen += 1
+    return None
+
+
+def resumed_epoch(backup_dir: str) -> int:
+    """The epoch a ``BackupAndRestore(backup_dir)`` will make ``model.fit`` resume from (0 when
+    there is no backup), read before training, e.g. to position a data pipeline."""
+    path = os.path.join(backup_dir, _compat.BACKUP_FILES["_training_metadata_path"])
+    if not os.path.exists(path):
+        return 0
+    with open(path) as fh:
+        return int(json.load(fh)["epoch"])
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
-    """Keras ``BackupAndRestore`` with per-worker write directories (same arguments)."""
+    """Keras ``BackupAndRestore`` for block-sparse training on several workers (same
+    arguments; ``double_checkpoint`` defaults to ``True``).
+
+    Only the chief writes the model checkpoint; each worker saves its replicas' compressor
+    state locally beside it (see the module docstring).
+    """
 
     def __init__(self, backup_dir: str, save_freq: str | int = "epoch",
                  double_checkpoint: bool = True, delete_checkpoint: bool = True):
         super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint,
                          delete_checkpoint=delete_checkpoint)
-        self._chief_dir = backup_dir
-        self._is_chief = True
+        self._role = None
 
-    def _use_dir(self, directory: str) -> None:
-        _compat.set_backup_directory(self, directory)
+    @property
+    def _state_dir(self) -> str:
+        return os.path.join(self.backup_dir, STATE_DIR)
+
+    def _strategy(self) -> tf.distribute.Strategy:
+        return getattr(self.model, "distribute_strategy", None) or tf.distribute.get_strategy()
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        role = worker_role(
-            getattr(self.model, "distribute_strategy", None) or tf.distribute.get_strategy())
-        self._is_chief = role.is_chief
-        self._use_dir(self._chief_dir)  # everybody restores from the chief's files
-        super().on_train_begin(logs)
-        if not self._is_chief:
-            self._use_dir(f"{self._chief_dir.rstrip('/')}.worker_{role.index}")
+        self._role = worker_role(self._strategy())
+        opt = block_sparse_optimizer(self.model.optimizer)
+        if opt is None:
+            super().on_train_begin(logs)
+            return
+        has_checkpoint = os.path.exists(self._weights_path)
+        with opt.replica_state_apart():
+            super().on_train_begin(logs)
+        if has_checkpoint and not replica_state.restore(
+                opt, self._state_dir, self._role.index, self._role.num_workers):
+            raise ValueError(f"{self.backup_dir}: a checkpoint without the per-replica state "
+                             f"files of {STATE_DIR}/; the backup is incomplete")
 
     def _save_model(self) -> None:
-        os.makedirs(self.backup_dir, exist_ok=True)  # workers may race to create parents
-        super()._save_model()
+        opt = block_sparse_optimizer(self.model.optimizer)
+        role = self._role or worker_role(self._strategy())
+        if opt is not None:  # first: a checkpoint never refers to state not yet written
+            replica_state.save(opt, self._state_dir, role.index, role.num_workers)
+        if not role.is_chief:  # the model checkpoint is the chief's alone
+            return
+        os.makedirs(self.backup_dir, exist_ok=True)
+        if opt is None:
+            super()._save_model()
+            return
+        with opt.replica_state_apart():
+            super()._save_model()
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if not self._is_chief:
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
-            return
-        super().on_train_end(logs)
+        role = self._role or worker_role(self._strategy())
+        if role.is_chief:  # the chief removes the shared directory
+            super().on_train_end(logs)
+        elif self.delete_checkpoint:  # a worker still writing after that removes its own
+            path = replica_state.worker_path(self._state_dir, role.index)
+            for f in (path, f"{path}.bkp"):
+                if os.path.exists(f):
+                    os.remove(f)
+            for d in (self._state_dir, self.backup_dir):
+                if os.path.isdir(d) and not os.listdir(d):
+                    os.rmdir(d)
 
 
 def save_model(model: keras.Model, path: str) -> None:
     """``model.save(path)`` from every worker; only the chief's file stays at ``path``.
 
-    Under a multi-worker strategy saving reads the per-replica optimizer state (residuals),
-    which is a collective, so every worker must save at the same point; non-chief workers
-    write to a private temporary file that is removed again.
+    The ``.keras`` file holds the weights, the optimizer's configuration and its state with
+    the per-replica state (residuals, local velocities) as the sum over replicas: loading it
+    gives every replica ``sum / N``.  Under a multi-worker strategy reading that sum is a
+    collective, so every worker must save at the same point; non-chief workers write to a
+    private temporary file that is removed again.
 
     Args:
       model: The trained model (optimizer included).

@@ -26,7 +26,9 @@ a ``LossScaleOptimizer`` *inside* is rejected because residuals would mix loss s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -206,6 +208,42 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
     @property
     def variables(self) -> list[keras.Variable]:
         return self._variables + self.inner_optimizer.variables
+
+    # -- saving --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def replica_state_apart(self) -> Iterator[None]:
+        """Within it, Keras saving leaves out the per-replica state (residuals, velocities,
+        clipping state) and loading expects it left out: ``BackupAndRestore`` saves that
+        state per worker instead (:mod:`tf_blocksparse.keras.replica_state`), since a
+        cross-replica read of it is an all-reduce.  Outside it (``model.save``), the state is
+        saved as its sum over replicas and a load gives every replica ``sum / N``."""
+        before, self._state_apart = getattr(self, "_state_apart", False), True
+        try:
+            yield
+        finally:
+            self._state_apart = before
+
+    def _saved_variables(self) -> list[keras.Variable]:
+        if getattr(self, "_state_apart", False):
+            return [v for v in self.variables if not _compat.is_on_read(v)]
+        return self.variables
+
+    def save_own_variables(self, store: Any) -> None:
+        for i, variable in enumerate(self._saved_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store: Any) -> None:
+        """Loads a full save (``model.save``: per-replica state as sums) or, within
+        :meth:`replica_state_apart`, one without the per-replica state."""
+        variables = self._saved_variables()
+        if len(store.keys()) != len(variables):  # as Keras: warn and keep the current state
+            warnings.warn(f"Skipping variable loading for optimizer {self.name!r}: the file "
+                          f"holds {len(store.keys())} variables, this optimizer "
+                          f"{len(variables)} (not built yet, or another configuration)",
+                          stacklevel=2)
+            return
+        for i, variable in enumerate(variables):
+            variable.assign(store[str(i)])
 
     @property
     def learning_rate(self) -> Any:

@@ -1,0 +1,176 @@
+"""Per-replica optimizer state (residuals, local velocities, clipping state) saved and restored
+by each worker from its own replicas, with no collective.
+
+A cross-replica read of an on-read variable is an all-reduce of every replica's value; for
+the compressor state that is a dense-sized collective over the (slow) link at every backup.
+Instead every worker writes the values of its own replicas to
+``<directory>/worker_<index>.npz`` and, on restore, each replica gets exactly its own values
+back.  Restoring onto a different number of replicas gives every replica ``sum / N`` of the
+saved state (``mean`` for mean-aggregated variables), with one warning.
+
+File format (NumPy ``.npz``): ``meta`` (JSON: ``num_workers``, ``worker_index``,
+``local_replicas``, ``iterations``, ``names``, ``aggregations``) and per state variable ``i``
+and local replica ``j`` an array ``s{i}_r{j}`` of the variable's shape.  A file is written
+next to its target and renamed over it, so a crash leaves the old file or the new one; the
+previous file is kept as ``.bkp`` (restore picks the one whose ``iterations`` matches the
+restored optimizer's).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tf_blocksparse import _compat
+
+_BACKUP_SUFFIX = ".bkp"
+
+
+def state_variables(optimizer: Any) -> list[Any]:
+    """The optimizer's per-replica (on-read) variables, in ``optimizer.variables`` order."""
+    return [v for v in optimizer.variables if _compat.is_on_read(v)]
+
+
+def _aggregation(variable: Any) -> str:
+    agg = getattr(_compat.variable_storage(variable), "aggregation", None)
+    return "mean" if "MEAN" in str(agg).upper() else "sum"
+
+
+def worker_path(directory: str, worker_index: int) -> str:
+    """The state file of worker ``worker_index`` in ``directory``."""
+    return os.path.join(directory, f"worker_{worker_index}.npz")
+
+
+def save(optimizer: Any, directory: str, worker_index: int, num_workers: int) -> str:
+    """Writes this worker's replicas' state of ``optimizer`` (local reads only).
+
+    Args:
+      optimizer: A built optimizer whose per-replica state lives in on-read variables.
+      directory: Where the workers' files go (shared by the workers).
+      worker_index: This worker's index in the cluster.
+      num_workers: Workers in the cluster.
+
+    Returns:
+      The path written.
+    """
+    variables = state_variables(optimizer)
+    arrays: dict[str, np.ndarray] = {}
+    local = 0
+    for i, v in enumerate(variables):
+        parts = _compat.local_components(v)
+        local = len(parts)
+        for j, part in enumerate(parts):
+            arrays[f"s{i}_r{j}"] = np.asarray(part.numpy())
+    meta = {"num_workers": num_workers, "worker_index": worker_index,
+            "local_replicas": local, "iterations": int(optimizer.iterations.numpy()),
+            "names": [v.path for v in variables],
+            "shapes": [list(v.shape) for v in variables],
+            "aggregations": [_aggregation(v) for v in variables]}
+    os.makedirs(directory, exist_ok=True)
+    path = worker_path(directory, worker_index)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as fh:  # a file object: no .npz appended to the name
+        np.savez(fh, meta=np.asarray(json.dumps(meta)), **arrays)
+    if os.path.exists(path):
+        os.replace(path, path + _BACKUP_SUFFIX)
+    os.replace(tmp, path)
+    if worker_index == 0:  # files of workers a larger cluster had are not this run's
+        for stale in glob.glob(os.path.join(directory, "worker_*.npz*")):
+            index = os.path.basename(stale)[len("worker_"):].split(".")[0]
+            if index.isdigit() and int(index) >= num_workers:
+                os.remove(stale)
+    return path
+
+
+def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    with np.load(path) as data:
+        meta = json.loads(str(data["meta"]))
+        return meta, {k: np.asarray(data[k]) for k in data.files if k != "meta"}
+
+
+def _candidates(directory: str, worker_index: int, iterations: int
+                ) -> tuple[str | None, dict | None, dict | None]:
+    """This worker's file (or its ``.bkp``) saved at ``iterations`` steps."""
+    path = worker_path(directory, worker_index)
+    for candidate in (path, path + _BACKUP_SUFFIX):
+        if os.path.exists(candidate):
+            meta, arrays = _read(candidate)
+            if meta["iterations"] == iterations:
+                return candidate, meta, arrays
+    return None, None, None
+
+
+def restore(optimizer: Any, directory: str, worker_index: int, num_workers: int) -> bool:
+    """Gives each of this worker's replicas its saved state back.
+
+    Args:
+      optimizer: The built optimizer, its shared state (``iterations``, weights) restored.
+      directory: Where :func:`save` wrote the workers' files.
+      worker_index: This worker's index in the cluster.
+      num_workers: Workers in the cluster now.
+
+    Returns:
+      ``False`` when ``directory`` holds no state files (nothing restored), else ``True``.
+
+    Raises:
+      ValueError: The files do not match the optimizer (other variables or shapes, or no file
+        saved at the restored step count).
+    """
+    if not glob.glob(os.path.join(directory, "worker_*.npz")):
+        return False
+    variables = state_variables(optimizer)
+    iterations = int(optimizer.iterations.numpy())
+    local = len(_compat.local_components(variables[0])) if variables else 0
+    path, meta, arrays = _candidates(directory, worker_index, iterations)
+    if meta is not None and (meta["num_workers"], meta["local_replicas"]) == (num_workers, local):
+        _check(meta, variables, path)
+        for i, v in enumerate(variables):
+            for j, part in enumerate(_compat.local_components(v)):
+                part.assign(arrays[f"s{i}_r{j}"])
+        return True
+    return _redistribute(variables, directory, iterations, num_workers * local)
+
+
+def _check(meta: dict, variables: Sequence[Any], path: str | None) -> None:
+    """The saved state matches ``variables`` in number and shapes (names may differ: Keras
+    numbers auto-named layers per process)."""
+    shapes = [list(v.shape) for v in variables]
+    if meta["shapes"] != shapes:
+        raise ValueError(f"{path}: the saved per-replica state ({len(meta['shapes'])} "
+                         f"variables, {meta['names']} of shapes {meta['shapes']}) does not "
+                         f"match the optimizer's ({len(shapes)}, shapes {shapes})")
+
+
+def _redistribute(variables: Sequence[Any], directory: str, iterations: int,
+                  replicas: int) -> bool:
+    """Every saved replica's state summed (or averaged), spread evenly over ``replicas``."""
+    files = sorted(glob.glob(os.path.join(directory, "worker_*.npz")))
+    saved = []
+    for f in files:
+        index = int(os.path.basename(f)[len("worker_"):-len(".npz")])
+        path, meta, arrays = _candidates(directory, index, iterations)
+        if meta is not None:
+            saved.append((path, meta, arrays))
+    if not saved or len(saved) != saved[0][1]["num_workers"]:
+        raise ValueError(f"{directory}: no complete set of per-replica state files saved at "
+                         f"step {iterations} (found {[s[0] for s in saved]}); the backup is "
+                         f"incomplete")
+    for path, meta, _ in saved:
+        _check(meta, variables, path)
+    old = sum(meta["local_replicas"] for _, meta, _ in saved)
+    warnings.warn(f"restoring per-replica optimizer state saved by {old} replicas onto "
+                  f"{replicas}: every replica gets the saved sum / {replicas} (the total "
+                  f"error feedback is kept, not each replica's own)", stacklevel=3)
+    for i, v in enumerate(variables):
+        total = sum(arrays[f"s{i}_r{j}"].astype(np.float64) for _, meta, arrays in saved
+                    for j in range(meta["local_replicas"]))
+        value = total / (old if saved[0][1]["aggregations"][i] == "mean" else replicas)
+        for part in _compat.local_components(v):
+            part.assign(value.astype(part.dtype.as_numpy_dtype))
+    return True
