@@ -177,3 +177,77 @@ def fail_at(step: int):
                 os._exit(17)
 
     return Fail()
+
+
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+          "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+          "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
+          "on_predict_batch_begin", "on_predict_batch_end")
+
+
+def timed(inner: Any, timer: Callable[[], float] = time.perf_counter):
+    """``inner`` (a Keras callback) with the seconds its epoch-end and batch-end work takes
+    (an evaluation, a backup) summed per epoch in ``seconds_per_epoch``.
+
+    Every hook is forwarded to ``inner`` unchanged.
+    """
+    import keras
+
+    class Timed(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+            self.seconds_per_epoch: list[float] = []
+            self._epoch_s = 0.0
+
+        def set_model(self, model):
+            super().set_model(model)
+            inner.set_model(model)
+
+        def set_params(self, params):
+            super().set_params(params)
+            inner.set_params(params)
+
+    def forward(name: str) -> Callable:
+        def hook(self, *args, **kwargs):
+            start = timer()
+            getattr(inner, name)(*args, **kwargs)
+            if name in ("on_epoch_end", "on_train_batch_end"):
+                self._epoch_s += timer() - start
+            if name == "on_epoch_end":
+                self.seconds_per_epoch.append(round(self._epoch_s, 3))
+                self._epoch_s = 0.0
+        return hook
+
+    for name in _HOOKS:
+        setattr(Timed, name, forward(name))
+    return Timed()
+
+
+def launch_seconds(env: Mapping[str, str] = os.environ,
+                   clock: Callable[[], float] = time.time) -> Callable[[], float]:
+    """Seconds since the job was launched: since ``TFBS_LAUNCH_TIME`` (a Unix time the
+    launcher sets) when given, else since this call."""
+    start = float(env.get("TFBS_LAUNCH_TIME") or clock())
+    return lambda: clock() - start
+
+
+def wall_clock(since_launch: Callable[[], float]):
+    """Callback recording, at every epoch's end, the seconds since launch (``epoch_wall_s``)
+    and, when training begins, ``start_s``.  Put it after the evaluation and backup
+    callbacks: an epoch's time then includes them."""
+    import keras
+
+    class WallClock(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.start_s: float | None = None
+            self.epoch_wall_s: list[float] = []
+
+        def on_train_begin(self, logs=None):
+            self.start_s = round(since_launch(), 3)
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.epoch_wall_s.append(round(since_launch(), 3))
+
+    return WallClock()

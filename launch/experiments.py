@@ -118,7 +118,8 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
         cmd = [*TRAIN, "--strategy=multiworker", f"--model_dir={tmp}",
                "--deterministic",
                *method_flags(method, density), *train_flags]
-        kwargs = {}
+        # the workers count their wall clock from here (launch/callbacks.launch_seconds)
+        kwargs: dict = {"env": {"TFBS_LAUNCH_TIME": repr(time.time())}}
         if bandwidth_mbit is not None:
             kwargs.update(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms or 0.0)
         t0 = time.perf_counter()
@@ -158,8 +159,9 @@ def run_in_one_process(method: str, train_flags: Sequence[str], num_devices: int
                f"--model_dir={tmp}", "--deterministic", *method_flags(method, density),
                *train_flags]
         t0 = time.perf_counter()
+        env = {**os.environ, "TFBS_LAUNCH_TIME": repr(time.time())}
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout_s or None)
+                              timeout=timeout_s or None, env=env)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"{method}: exited with {proc.returncode}\n"

@@ -133,6 +133,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "may stop the run.", lower_bound=1, **fv)
     flags.DEFINE_string("model_dir", None, "Checkpoints (backup/), TensorBoard logs (logs/) "
                         "and metrics.json (written by the chief).", **fv)
+    flags.DEFINE_boolean("backup", True, "With --model_dir: back up (BackupAndRestore) and "
+                         "resume from a backup; --nobackup trains without.", **fv)
     flags.DEFINE_integer("save_freq", 0, "Back up every N steps (0 = every epoch); needs "
                          "--model_dir.", lower_bound=0, **fv)
     flags.DEFINE_integer("fail_at_step", -1, "Fault injection for tests: worker "

@@ -120,6 +120,7 @@ def run(argv_flags=FLAGS) -> dict:
     from tf_blocksparse.keras.evaluation import ExactValidation, evaluate_exactly
 
     f = argv_flags
+    since_launch = cb.launch_seconds()
     if f.deterministic:  # the same seed gives the same accuracies on a re-run
         keras.utils.set_random_seed(f.seed)
         tf.config.experimental.enable_op_determinism()
@@ -133,7 +134,7 @@ def run(argv_flags=FLAGS) -> dict:
     if f.steps_per_epoch:
         steps = min(steps, f.steps_per_epoch)
     resumed = 0
-    if f.model_dir:  # a resumed run reads the batches the interrupted one had not reached
+    if f.model_dir and f.backup:  # a resumed run reads the batches not reached before
         from tf_blocksparse.keras.backup import resumed_epoch
 
         resumed = resumed_epoch(os.path.join(f.model_dir, "backup"))
@@ -156,9 +157,11 @@ def run(argv_flags=FLAGS) -> dict:
         model.compile(optimizer=opt, loss=loss, metrics=metrics)
     callbacks = [tfbs.BlockSparseMetrics(
         log_dir=os.path.join(f.model_dir, "logs") if f.model_dir else None)]
-    if f.model_dir:
-        callbacks.append(tfbs.BackupAndRestore(os.path.join(f.model_dir, "backup"),
-                                               save_freq=f.save_freq or "epoch"))
+    backup = None
+    if f.model_dir and f.backup:  # timed: the backup's seconds per epoch go into the record
+        backup = cb.timed(tfbs.BackupAndRestore(os.path.join(f.model_dir, "backup"),
+                                                save_freq=f.save_freq or "epoch"))
+        callbacks.append(backup)
         if chief:
             callbacks.append(keras.callbacks.TensorBoard(os.path.join(f.model_dir, "logs"),
                                                          update_freq="epoch"))
@@ -186,6 +189,8 @@ def run(argv_flags=FLAGS) -> dict:
     clock = cb.epoch_clock(before_s=measuring_s,
                            barrier=lambda: barrier(strategy))
     callbacks.append(clock)
+    wall_clock = cb.wall_clock(since_launch)  # after evaluation and backup: counts them
+    callbacks.append(wall_clock)
     if chief:  # last: it prints what the callbacks before it added
         callbacks.append(cb.progress(f.epochs, f.block_metrics,
                                      out=lambda line: print(line, flush=True)))
@@ -195,7 +200,8 @@ def run(argv_flags=FLAGS) -> dict:
         validation = ExactValidation(
             *arrays.test, batch_size=f.eval_batch_size, verbose=False,
             metric_name="token_accuracy" if sequence else "accuracy", **eval_kwargs)
-        callbacks.insert(0, validation)
+        timed_validation = cb.timed(validation)
+        callbacks.insert(0, timed_validation)
     t0 = time.perf_counter()
     hist = model.fit(train_ds, epochs=f.epochs, steps_per_epoch=steps, callbacks=callbacks,
                      shuffle=False, verbose=0)
@@ -231,6 +237,12 @@ def run(argv_flags=FLAGS) -> dict:
         "replicas": strategy.num_replicas_in_sync, "dataset": arrays.name,
         "history": {k: [float(v) for v in vals] for k, vals in hist.history.items()},
         "train_s_per_epoch": clock.train_s,
+        # what a user waits for: seconds since launch at every epoch's end (evaluation and
+        # backup included), when training began, and per epoch the evaluation and backup
+        "epoch_wall_s": wall_clock.epoch_wall_s, "start_s": wall_clock.start_s,
+        "eval_s_per_epoch": timed_validation.seconds_per_epoch if f.validate else [],
+        "backup_s_per_epoch": backup.seconds_per_epoch if backup is not None else [],
+        "end_wall_s": round(since_launch(), 3),  # the final model saved
         "flags": {name: f[name].value for name in flag_names()},
         "tensorflow": tf.__version__,
         "provenance": runtime.provenance(),

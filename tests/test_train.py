@@ -355,3 +355,38 @@ def test_epoch_clock_counts_the_work_before_training():
     model.fit(x, y, batch_size=4, epochs=2, callbacks=[Step(), clock], verbose=0,
               shuffle=False)
     assert clock.train_s == [4.5, 6.5]
+
+
+def test_timed_callback_counts_its_epoch_end_work_per_epoch():
+    """cb.timed forwards every hook and sums, per epoch, the seconds of the wrapped
+    callback's batch-end and epoch-end work (what an evaluation or a backup costs)."""
+    import keras
+
+    from launch.callbacks import launch_seconds, timed, wall_clock
+
+    now = [0.0]
+    calls = []
+
+    class Slow(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            calls.append("begin")
+            now[0] += 50.0  # a restore: not an epoch's cost
+
+        def on_train_batch_end(self, batch, logs=None):
+            now[0] += 0.5
+
+        def on_epoch_end(self, epoch, logs=None):
+            calls.append(epoch)
+            logs["seen"] = 1.0
+            now[0] += 10.0 * (epoch + 1)
+
+    wrapped = timed(Slow(), timer=lambda: now[0])
+    since = launch_seconds({"TFBS_LAUNCH_TIME": "100.0"}, clock=lambda: 100.0 + now[0])
+    wall = wall_clock(since)
+    x = np.zeros((8, 3), "float32")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    hist = model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[wrapped, wall])
+    assert calls == ["begin", 0, 1] and hist.history["seen"] == [1.0, 1.0]
+    assert wrapped.seconds_per_epoch == [11.0, 21.0]  # 2 batches x 0.5 s + the epoch end
+    assert wall.start_s == 50.0 and wall.epoch_wall_s == [61.0, 82.0]

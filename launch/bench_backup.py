@@ -1,0 +1,125 @@
+"""What a per-epoch backup costs on a slow link: dense vs block-sparse, side by side.
+
+Per method, two runs of a ``--num_workers``-process cluster of ``launch.train`` with every
+worker's link shaped to ``--bandwidth_mbit`` (needs root): one backing up after every epoch
+(``BackupAndRestore``), one without (``--nobackup``), the same seed, epochs and steps.  From
+the first run come the backup seconds of every epoch (timed around the callback on the chief,
+which writes the model checkpoint besides its replica's state); from the pair the bytes the
+backups put on each worker's link (the kernel's ``eth0`` counters of the run with backups
+minus those of the run without, per backup).
+
+Prints one JSON object and writes ``OUT/backup.json``: per method ``backup_s_per_epoch``
+(mean over the epochs after the first), ``link_bytes_per_backup`` (per worker, mean), and
+``backup_s_ratio_vs_dense``.
+
+    python -m launch.bench_backup [--model=vgg_fc] [--bandwidth_mbit=100]
+        [--methods=dense,block_shared] [--epochs=3] [--steps_per_epoch=15]
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import tempfile
+
+from absl import app, flags
+
+from launch import experiments, runtime, script
+from launch import flags as train_flags
+
+FLAGS = flags.FLAGS
+_TRAFFIC = "[launcher] network traffic (eth0 bytes per worker): "
+
+
+def define_flags() -> None:
+    """The script's flags."""
+    flags.DEFINE_enum("model", "vgg_fc", train_flags.MODELS, "Model (launch.train --model).")
+    flags.DEFINE_float("bandwidth_mbit", 100.0, "Link rate of every worker.", lower_bound=0.1)
+    flags.DEFINE_list("methods", ["dense", "block_shared"], "Methods (dense first).")
+    flags.register_validator(
+        "methods", lambda m: experiments.known_methods(m, list(experiments.METHODS)),
+        f"--methods must be a non-empty list of {sorted(experiments.METHODS)}")
+    flags.DEFINE_integer("num_workers", 4, "Worker processes.", lower_bound=1)
+    flags.DEFINE_integer("epochs", 3, "Epochs (one backup after each).", lower_bound=2)
+    flags.DEFINE_integer("steps_per_epoch", 15, "Training steps per epoch.", lower_bound=1)
+    flags.DEFINE_integer("batch_size", 128, "Global batch size.", lower_bound=1)
+    flags.DEFINE_float("density", 0.05, "Fraction of blocks the sparse methods keep.")
+    flags.DEFINE_float("lr", 0.01, "Learning rate.")
+    flags.DEFINE_integer("seed", 0, "Seed.", lower_bound=0)
+    flags.DEFINE_string("dataset", "fashion_mnist", "Dataset (launch.train --dataset).")
+    flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
+
+
+def link_bytes(output: str) -> list[int]:
+    """Per worker, the bytes its link sent plus received, from the launcher's traffic line
+    of ``output`` (``[]`` when absent)."""
+    for line in output.splitlines():
+        if line.startswith(_TRAFFIC):
+            return [w["tx_bytes"] + w["rx_bytes"] for w in json.loads(line[len(_TRAFFIC):])]
+    return []
+
+
+def _run(method: str, args: list[str], backup: bool) -> tuple[dict, list[int]]:
+    from launch.cluster.local import run_local_cluster
+
+    f = FLAGS
+    with tempfile.TemporaryDirectory(prefix="tfbs_backup_") as tmp:
+        out = io.StringIO()
+        cmd = [*experiments.TRAIN, "--strategy=multiworker", "--deterministic",
+               f"--model_dir={tmp}", *experiments.method_flags(method, f.density), *args,
+               "--backup" if backup else "--nobackup"]
+        rc = run_local_cluster(cmd, f.num_workers, bandwidth_mbit=f.bandwidth_mbit,
+                               cwd=experiments.ROOT, stream=out, timeout_s=1800)
+        if rc != 0:
+            raise RuntimeError(f"{method}: cluster exited with {rc}\n{out.getvalue()[-3000:]}")
+        with open(os.path.join(tmp, "metrics.json")) as fh:
+            record = json.load(fh)
+    return record, link_bytes(out.getvalue())
+
+
+def measure(method: str, args: list[str], epochs: int) -> dict:
+    """One method's backup seconds and link bytes (runs with and without backups)."""
+    with_backup, bytes_with = _run(method, args, True)
+    without, bytes_without = _run(method, args, False)
+    steady = with_backup["backup_s_per_epoch"][1:]  # the first also builds the writer
+    per_backup = [(a - b) / epochs for a, b in zip(bytes_with, bytes_without)]
+    return {"method": method, "backup_s_per_epoch": with_backup["backup_s_per_epoch"],
+            "backup_s_steady": round(statistics.fmean(steady), 3),
+            "link_bytes_per_backup": round(statistics.fmean(per_backup)) if per_backup
+            else None,
+            "link_bytes_with_backup": bytes_with, "link_bytes_without_backup": bytes_without,
+            "payload_bytes_per_step": with_backup["payload_bytes_per_step"],
+            "flags": with_backup["flags"], "provenance": with_backup.get("provenance")}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if os.geteuid() != 0:
+        raise app.UsageError("shaped links need root (network namespaces and tc)")
+    f = FLAGS
+    args = [f"--model={f.model}", f"--dataset={f.dataset}", f"--epochs={f.epochs}",
+            f"--steps_per_epoch={f.steps_per_epoch}", f"--batch_size={f.batch_size}",
+            f"--lr={f.lr}", f"--seed={f.seed}", "--test_samples=500"]
+    rows = [measure(m, args, f.epochs) for m in f.methods]
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    for r in rows:
+        if dense is not None and dense["backup_s_steady"] > 0:
+            r["backup_s_ratio_vs_dense"] = round(r["backup_s_steady"] / dense["backup_s_steady"],
+                                                 3)
+    doc = {"budget": {"model": f.model, "bandwidth_mbit": f.bandwidth_mbit,
+                      "num_workers": f.num_workers, "epochs": f.epochs,
+                      "steps_per_epoch": f.steps_per_epoch, "density": f.density},
+           "rows": rows, "machine": runtime.machine_info()}
+    os.makedirs(f.out, exist_ok=True)
+    with open(os.path.join(f.out, "backup.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(json.dumps({r["method"]: {k: r[k] for k in ("backup_s_steady", "link_bytes_per_backup",
+                                                      "backup_s_ratio_vs_dense") if k in r}
+                      for r in rows}))
+
+
+if __name__ == "__main__":
+    script.run(main, define_flags)
