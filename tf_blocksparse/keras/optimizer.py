@@ -321,9 +321,12 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             commits += [(r, new) for r, new in zip(residuals, result.residuals)
                         if new is not None]
         if velocities and live:  # factor masking: what a replica sent leaves its velocity too
-            sent = None if result.sent_ids is None else [result.sent_ids[p] for p in live]
+            compressor = self._compressor([idx[p] for p in live])
+            sent = None if result.sent_ids is None else [
+                None if n >= lay.num_blocks else result.sent_ids[p]  # whole: momentum SGD
+                for p, n, lay in zip(live, compressor.counts, compressor.layouts)]
             kept = self.momentum_policy.mask(
-                [grads[p] for p in live], self._compressor([idx[p] for p in live]).layouts,
+                [grads[p] for p in live], compressor.layouts,
                 sent, None if state is None else [state[p] for p in live])
             if auto and auto.inner_momentum:  # dense groups' momentum is the inner's
                 kept = [tf.zeros_like(u) if auto.in_dense_group(idx[p]) else u
