@@ -1,0 +1,281 @@
+"""Wall-clock time to a converged accuracy on a shaped cluster, composed from measured parts.
+
+A user waits from launch until the test accuracy reaches the target: start-up, tracing, the
+automatic exchange's measuring, training, and every epoch's evaluation and backup.  Training
+to convergence on a shaped 4-worker cluster for every method and seed does not fit a 2-core
+machine, so the time is composed from measured parts and the composition is checked against
+one direct run:
+
+1. **Epochs to target** come from the converged accuracy curves of
+   ``launch.bench_convergence`` (``--convergence``): per model the target is dense's
+   converged mean accuracy minus ``--target_drop``; per method and seed, the first epoch whose
+   test accuracy reaches it.
+2. **Seconds per epoch and one-time seconds** come from short runs of every method on the
+   shaped ``--num_workers``-process cluster (``--timing_steps`` steps per epoch,
+   ``--timing_epochs`` epochs, the full test set evaluated and a backup written after every
+   epoch, as in a real run): a full epoch's wall seconds are the measured per-step training
+   seconds times the full epoch's steps plus the measured rest of a steady epoch (evaluation,
+   backup, waits); the one-time seconds are what the first epoch took beyond a steady one plus
+   everything before it (process start, TensorFlow import, tracing, measuring).
+3. ``wall_s = one_time_s + epochs_to_target x epoch_wall_s``; ``train_s`` (the training-only
+   clock) ``= epochs_to_target x epoch_train_s``.
+
+``--check=MODEL:RATE:METHOD:SEED`` also trains that run directly on the shaped cluster for
+the budget's epochs (stopping at the target) and reports its measured wall time to target
+against the composition (with the direct run's own epochs to target, and with the curves').
+
+Writes ``OUT/time_to_accuracy_wall.json``: ``budget`` (``target_rule``, the timing set-up),
+``timings`` (per model x rate x method, with the run records' flags and provenance),
+``records`` (per model x rate x method x seed) and ``summary`` rows with ``wall_s``,
+``train_s``, ``wall_speedup_vs_dense`` and ``speedup_vs_dense`` as {mean, std, min, max, n}.
+
+    python -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=100,1000 \\
+        --methods=dense,block_default --convergence=benchmarks/results/convergence.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+from absl import app, flags
+
+from launch import experiments, runtime, script
+from launch import flags as train_flags
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The script's flags."""
+    flags.DEFINE_list("models", ["cnn_small"], "Models (each must be in --convergence).")
+    flags.DEFINE_list("bandwidths_mbit", ["100", "1000"], "Link rates to shape to.")
+    flags.DEFINE_list("methods", ["dense", "block_default"], "Methods (dense first).")
+    flags.register_validator(
+        "methods", lambda m: experiments.known_methods(m, list(experiments.METHODS)),
+        f"--methods must be a non-empty list of {sorted(experiments.METHODS)}")
+    flags.register_validator("models", lambda m: experiments.known_methods(
+        m, train_flags.MODELS), f"--models must be a non-empty list of {train_flags.MODELS}")
+    flags.DEFINE_string("convergence", "benchmarks/results/convergence.json",
+                        "launch.bench_convergence's results (curves, budget).")
+    flags.DEFINE_float("target_drop", 0.003, "Target = dense's converged mean minus this.")
+    flags.DEFINE_integer("num_workers", 4, "Worker processes of the shaped cluster.")
+    flags.DEFINE_integer("timing_steps", 40, "Steps per epoch of the timing runs.",
+                         lower_bound=2)
+    flags.DEFINE_integer("timing_epochs", 3, "Epochs of the timing runs.", lower_bound=2)
+    flags.DEFINE_float("density", 0.05, "Density of methods that take one.")
+    flags.DEFINE_list("check", [], "MODEL:RATE:METHOD:SEED runs to train directly.")
+    flags.DEFINE_boolean("resume", True, "Keep timings of OUT's file with the same set-up.")
+    flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
+
+
+def epochs_to_target(curve: list[float], target: float) -> int | None:
+    """1-based epoch at which ``curve`` first reaches ``target`` (``None``: never)."""
+    for epoch, accuracy in enumerate(curve, start=1):
+        if accuracy >= target:
+            return epoch
+    return None
+
+
+def epoch_parts(record: dict, full_steps: int) -> dict:
+    """A timing run's per-epoch costs, scaled to an epoch of ``full_steps`` steps.
+
+    Args:
+      record: ``launch.train``'s metrics record of a run with >= 2 epochs.
+      full_steps: Steps of a full epoch.
+
+    Returns:
+      ``{"step_s", "epoch_train_s", "epoch_other_s", "epoch_wall_s", "one_time_s",
+      "eval_s", "backup_s"}``: steady per-step training seconds; a full epoch's training,
+      other (evaluation, backup, waits) and total wall seconds; the one-time seconds.
+    """
+    train = record["train_s_per_epoch"]
+    wall = record["epoch_wall_s"]
+    steps = record["steps_per_epoch"]
+    steady_train = [b - a for a, b in zip(train, train[1:])]
+    steady_wall = [b - a for a, b in zip(wall, wall[1:])]
+    step_s = statistics.fmean(steady_train) / steps
+    other_s = statistics.fmean(w - t for w, t in zip(steady_wall, steady_train))
+    epoch_train = step_s * full_steps
+    one_time = wall[0] - statistics.fmean(steady_wall)
+    return {"step_s": round(step_s, 5), "epoch_train_s": round(epoch_train, 3),
+            "epoch_other_s": round(other_s, 3),
+            "epoch_wall_s": round(epoch_train + other_s, 3), "one_time_s": round(one_time, 3),
+            "eval_s": round(statistics.fmean(record["eval_s_per_epoch"][1:]), 3),
+            "backup_s": round(statistics.fmean(record["backup_s_per_epoch"][1:]), 3)}
+
+
+def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
+            methods: list[str], target_drop: float) -> tuple[list[dict], list[dict], dict]:
+    """Records per model x rate x method x seed and their summary rows.
+
+    Args:
+      curves: ``{(model, method): {seed: accuracy curve}}``.
+      timings: ``{(model, rate, method): epoch_parts(...)}``.
+      models, rates, methods: What to compose (dense must be among ``methods``).
+      target_drop: Target below dense's converged mean.
+
+    Returns:
+      ``(records, summary, targets)``.
+    """
+    records, summary, targets = [], [], {}
+    for model in models:
+        dense = curves[(model, "dense")]
+        target = statistics.fmean(c[-1] for c in dense.values()) - target_drop
+        targets[model] = round(target, 4)
+        for rate in rates:
+            base: dict[int, dict] = {}
+            for method in methods:
+                parts = timings[(model, rate, method)]
+                rows = []
+                for seed, curve in sorted(curves[(model, method)].items()):
+                    n = epochs_to_target(curve, target)
+                    rec = {"model": model, "bandwidth_mbit": rate, "method": method,
+                           "seed": seed, "target": round(target, 4), "epochs_to_target": n,
+                           "final_accuracy": curve[-1],
+                           "wall_s": None if n is None else
+                           round(parts["one_time_s"] + n * parts["epoch_wall_s"], 2),
+                           "train_s": None if n is None else round(n * parts["epoch_train_s"],
+                                                                   2),
+                           "backup_s_per_epoch": parts["backup_s"],
+                           "eval_s_per_epoch": parts["eval_s"]}
+                    if method == "dense":
+                        base[seed] = rec
+                    rows.append(rec)
+                for rec in rows:
+                    ref = base.get(rec["seed"])
+                    for key, out in (("wall_s", "wall_speedup_vs_dense"),
+                                     ("train_s", "speedup_vs_dense")):
+                        ok = ref is not None and ref[key] and rec[key]
+                        rec[out] = round(ref[key] / rec[key], 3) if ok else None
+                records += rows
+                summary.append({
+                    "model": model, "bandwidth_mbit": rate, "method": method,
+                    "seeds": [r["seed"] for r in rows],
+                    **{key: experiments.spread([r[key] for r in rows], 3) for key in
+                       ("wall_s", "train_s", "wall_speedup_vs_dense", "speedup_vs_dense",
+                        "epochs_to_target")},
+                    "reached": sum(r["epochs_to_target"] is not None for r in rows),
+                    **{k: parts[k] for k in ("epoch_wall_s", "epoch_train_s", "one_time_s",
+                                             "eval_s", "backup_s")}})
+    return records, summary, targets
+
+
+def load_curves(path: str) -> tuple[dict, dict]:
+    """``({(model, method): {seed: curve}}, budget)`` of a convergence results file."""
+    with open(path) as fh:
+        doc = json.load(fh)
+    curves: dict = {}
+    for run in doc["runs"]:
+        curves.setdefault((run["model"], run["method"]), {})[run["flags"]["seed"]] = \
+            run["history"]["val_accuracy"]
+    return curves, doc["budget"]
+
+
+def _train_args(model: str, budget: dict, epochs: int, steps: int, seed: int) -> list[str]:
+    return [f"--model={model}", f"--dataset={budget['dataset']}", f"--epochs={epochs}",
+            f"--steps_per_epoch={steps}", f"--batch_size={budget['global_batch']}",
+            f"--lr={budget['lr']}", "--momentum=0.9", f"--seed={seed}",
+            f"--lr_schedule={budget.get('lr_schedule', 'constant')}",
+            f"--warmup_epochs={budget.get('warmup_epochs', 0.0)}"]
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if os.geteuid() != 0:
+        raise app.UsageError("shaped links need root (network namespaces and tc)")
+    f = FLAGS
+    curves, budget = load_curves(f.convergence)
+    rates = [float(r) for r in f.bandwidths_mbit]
+    path = os.path.join(f.out, "time_to_accuracy_wall.json")
+    setup = {"num_workers": f.num_workers, "timing_steps": f.timing_steps,
+             "timing_epochs": f.timing_epochs, "density": f.density,
+             "convergence_budget": budget}
+    old = {}
+    if f.resume and os.path.exists(path):
+        with open(path) as fh:
+            prev = json.load(fh)
+        if prev.get("budget", {}).get("setup") == setup:
+            old = {(t["model"], t["bandwidth_mbit"], t["method"]): t for t in prev["timings"]}
+    timings, runs = {}, []
+    for model in f.models:
+        full_steps = None
+        for rate in rates:
+            for method in f.methods:
+                key = (model, rate, method)
+                if key in old:
+                    timings[key] = old[key]["parts"]
+                    runs.append(old[key])
+                    continue
+                rec = experiments.run_training(
+                    method, _train_args(model, budget, f.timing_epochs, f.timing_steps, 0),
+                    f.num_workers, f.density, bandwidth_mbit=rate, timeout_s=3600)
+                full_steps = full_steps or _full_steps(model, budget, f.num_workers)
+                timings[key] = epoch_parts(rec, full_steps)
+                runs.append({"model": model, "bandwidth_mbit": rate, "method": method,
+                             "parts": timings[key], "full_steps": full_steps,
+                             "record": experiments.slim(rec) | {
+                                 k: rec.get(k) for k in ("epoch_wall_s", "eval_s_per_epoch",
+                                                         "backup_s_per_epoch", "start_s",
+                                                         "flags", "provenance")}})
+                print(json.dumps({"model": model, "rate": rate, "method": method,
+                                  **timings[key]}), flush=True)
+    records, summary, targets = compose(curves, timings, f.models, rates, f.methods,
+                                        f.target_drop)
+    checks = [_check(entry, curves, timings, targets, budget, f) for entry in f.check]
+    doc = {"budget": {"setup": setup, "targets": targets,
+                      "target_rule": f"dense's converged mean test accuracy (rule: "
+                                     f"{budget.get('rule')}) minus {f.target_drop * 100:.1f} "
+                                     f"points"},
+           "timings": runs, "records": records, "summary": summary, "checks": checks,
+           "machine": runtime.machine_info()}
+    os.makedirs(f.out, exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    for row in summary:
+        print(json.dumps({k: row[k] for k in ("model", "bandwidth_mbit", "method",
+                                              "wall_speedup_vs_dense", "speedup_vs_dense")}))
+    for c in checks:
+        print(json.dumps(c))
+
+
+def _full_steps(model: str, budget: dict, num_workers: int) -> int:
+    from launch import inputs
+
+    arrays = inputs.load_arrays(budget["dataset"], model, "/usr/share/datasets/fashion-mnist",
+                                None, ["32", "32", "3"], 0, 0, 0)
+    return inputs.steps_per_epoch(arrays, budget["global_batch"], num_workers)
+
+
+def _check(entry: str, curves: dict, timings: dict, targets: dict, budget: dict, f) -> dict:
+    """Trains ``MODEL:RATE:METHOD:SEED`` directly to the target; composed vs measured."""
+    model, rate, method, seed = entry.split(":")
+    rate_f, seed_i = float(rate), int(seed)
+    target = targets[model]
+    epochs = budget["epochs"][model]
+    args = _train_args(model, budget, epochs, 0, seed_i) + [
+        f"--stop_at_accuracy={target}", "--test_samples=0"]
+    rec = experiments.run_training(method, args, f.num_workers, f.density,
+                                   bandwidth_mbit=rate_f, timeout_s=7200)
+    own = epochs_to_target(rec["history"].get("val_accuracy")
+                           or rec["history"].get("val_token_accuracy", []), target)
+    parts = timings[(model, rate_f, method)]
+    measured = None if own is None else rec["epoch_wall_s"][own - 1]
+    from_curve = epochs_to_target(curves[(model, method)][seed_i], target)
+    out = {"run": entry, "target": target, "measured_wall_s": measured,
+           "epochs_to_target": own, "curve_epochs_to_target": from_curve,
+           "composed_wall_s_own_epochs": None if own is None else
+           round(parts["one_time_s"] + own * parts["epoch_wall_s"], 2),
+           "composed_wall_s_curve_epochs": None if from_curve is None else
+           round(parts["one_time_s"] + from_curve * parts["epoch_wall_s"], 2),
+           "flags": rec["flags"], "provenance": rec.get("provenance"),
+           "history": rec["history"].get("val_accuracy"), "epoch_wall_s": rec["epoch_wall_s"]}
+    if measured:
+        out["composed_over_measured"] = round(out["composed_wall_s_own_epochs"] / measured, 3)
+    return out
+
+
+if __name__ == "__main__":
+    script.run(main, define_flags)

@@ -1,0 +1,43 @@
+"""The wall-clock composition of launch.bench_wall_clock, on hand-made records."""
+
+import pytest
+
+from launch import bench_wall_clock as bw
+
+
+def test_epochs_to_target_is_the_first_epoch_reaching_it():
+    assert bw.epochs_to_target([0.5, 0.7, 0.69, 0.8], 0.7) == 2
+    assert bw.epochs_to_target([0.5, 0.6], 0.7) is None
+
+
+def test_epoch_parts_scale_the_training_and_keep_the_rest():
+    record = {"steps_per_epoch": 10, "train_s_per_epoch": [5.0, 7.0, 9.0],
+              "epoch_wall_s": [20.0, 25.0, 30.0], "eval_s_per_epoch": [2.0, 1.0, 1.0],
+              "backup_s_per_epoch": [0.5, 0.2, 0.2]}
+    parts = bw.epoch_parts(record, full_steps=100)
+    assert parts["step_s"] == pytest.approx(0.2)  # 2 s per 10-step steady epoch
+    assert parts["epoch_train_s"] == pytest.approx(20.0)
+    assert parts["epoch_other_s"] == pytest.approx(3.0)  # 5 s wall - 2 s training
+    assert parts["epoch_wall_s"] == pytest.approx(23.0)
+    assert parts["one_time_s"] == pytest.approx(15.0)  # 20 s to epoch 1's end - 5 s steady
+    assert parts["eval_s"] == 1.0 and parts["backup_s"] == 0.2
+
+
+def test_compose_gives_per_seed_speedups_against_that_seeds_dense():
+    curves = {("m", "dense"): {0: [0.5, 0.8, 0.9], 1: [0.6, 0.85, 0.9]},
+              ("m", "block"): {0: [0.7, 0.9, 0.91], 1: [0.5, 0.6, 0.7]}}
+    slow = {"epoch_wall_s": 10.0, "epoch_train_s": 8.0, "one_time_s": 5.0, "eval_s": 1.0,
+            "backup_s": 0.5}
+    fast = dict(slow, epoch_wall_s=4.0, epoch_train_s=2.0)
+    records, summary, targets = bw.compose(
+        curves, {("m", 100.0, "dense"): slow, ("m", 100.0, "block"): fast}, ["m"], [100.0],
+        ["dense", "block"], 0.003)
+    assert targets == {"m": pytest.approx(0.897)}
+    by = {(r["method"], r["seed"]): r for r in records}
+    assert by[("dense", 0)]["wall_s"] == 35.0  # 5 + 3 x 10
+    assert by[("block", 0)]["wall_s"] == 13.0  # 5 + 2 x 4
+    assert by[("block", 0)]["wall_speedup_vs_dense"] == pytest.approx(35 / 13, abs=1e-3)
+    assert by[("block", 0)]["speedup_vs_dense"] == pytest.approx(24 / 4, abs=1e-3)
+    assert by[("block", 1)]["wall_s"] is None and by[("block", 1)]["wall_speedup_vs_dense"] is None
+    row = next(r for r in summary if r["method"] == "block")
+    assert row["reached"] == 1 and row["wall_speedup_vs_dense"]["n"] == 1
