@@ -20,8 +20,11 @@ gradient holds an inf or NaN, every replica skips the step: weights, inner optim
 ``iterations`` and residuals stay exactly as they were; ``skipped_steps`` counts it.
 ``nonfinite="apply"`` applies whatever arrives (for debugging).
 
-Mixed precision: wrap this optimizer in ``keras.optimizers.LossScaleOptimizer`` (outside);
-a ``LossScaleOptimizer`` *inside* is rejected because residuals would mix loss scales.
+Mixed precision: wrap this optimizer in ``keras.optimizers.LossScaleOptimizer`` (outside;
+``model.compile`` does under ``mixed_float16``); a ``LossScaleOptimizer`` *inside* is rejected
+because residuals would mix loss scales.  The outer one's overflow check is
+:meth:`BlockSparseOptimizer.agreed_finite` (:mod:`~tf_blocksparse.keras.loss_scale`): a step
+that overflows on any replica is skipped on every one, which all lower their scale.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import tensorflow as tf
 from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import auto_exchange
+from tf_blocksparse.keras import auto_exchange, loss_scale
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.keras.forward_order import backward_ranks
@@ -260,6 +263,15 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    def agreed_finite(self, grads: Sequence[Any]) -> tf.Tensor:
+        """Whether no replica's ``grads`` hold an inf or NaN (the same on every replica: one
+        scalar all-reduce).  An outer ``LossScaleOptimizer`` checks with it, so all replicas
+        skip a step or none does; a skipped step counts in ``skipped_steps``."""
+        finite = loss_scale.finite_on_every_replica(grads)
+        if self.built:
+            step.count_skipped(self._stats, finite, STAT_NAMES.index("skipped_steps"))
+        return finite
+
     # -- step ----------------------------------------------------------------------------
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
               ) -> None:
@@ -451,3 +463,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(config.pop("inner"),
                                                       custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+# An outer LossScaleOptimizer decides with the check every replica agrees on.
+_compat.delegate_loss_scale_check("agreed_finite")

@@ -38,6 +38,15 @@ def when_finite(nonfinite: str, finite: tf.Tensor, fn: Any) -> None:
         tf.cond(finite, fn, tf.no_op)
 
 
+def count_skipped(stats: keras.Variable, finite: tf.Tensor, index: int) -> None:
+    """Adds 1 to entry ``index`` (``skipped_steps``) of the per-replica ``stats`` unless the
+    step is ``finite`` (a step skipped before the wrapper's own step ran)."""
+    def add() -> None:
+        stats.value.assign_add(tf.one_hot(index, stats.shape[0], dtype=stats.dtype))
+
+    tf.cond(finite, lambda: None, add)
+
+
 def record_stats(stats: keras.Variable, result: ExchangeResult, seconds: tf.Tensor) -> None:
     """Writes the step's figures (``STAT_NAMES`` order) into the per-replica ``stats``;
     ``seconds`` is the wrapper's time in the step."""

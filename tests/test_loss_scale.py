@@ -1,0 +1,84 @@
+"""Loss scaling around ``BlockSparseOptimizer``: a non-finite step on one replica or worker is
+skipped on every one, which all lower their loss scale together."""
+
+import json
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_blocksparse as tfbs
+from launch.local_cluster import run_local_cluster
+from tests import mwms_mixed_precision_worker as worker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_overflow_on_one_worker_skips_the_step_on_both(tmp_path):
+    """mixed_float16 on a 2-process cluster: worker 1's gradients are inf at one batch.  Both
+    workers finish, skip that step (iterations stand still, the loss scale halves) and end
+    with the same weights."""
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "mwms_mixed_precision_worker.py"),
+           str(tmp_path)]
+    start = time.monotonic()
+    rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": ROOT}, timeout_s=60)
+    assert rc == 0, f"the 2-worker cluster exited with {rc} after " \
+                    f"{time.monotonic() - start:.0f} s (124: it hung; worker logs above)"
+    records = [json.loads((tmp_path / f"mixed_{i}.json").read_text()) for i in range(2)]
+    k = worker.POISONED_BATCH
+    expected = list(range(1, k + 1)) + list(range(k, worker.BATCHES))
+    for record in records:
+        assert record["iterations"] == expected, record
+        scales = record["scales"]
+        assert scales[k] == scales[k - 1] / 2 and scales[k + 1:] == [scales[k]] * (
+            worker.BATCHES - k - 1), scales
+        assert record["skipped_steps"] == 1.0
+    assert records[0]["scales"] == records[1]["scales"]
+    w0, w1 = (np.load(tmp_path / f"mixed_weights_{i}.npz") for i in range(2))
+    for key in w0.files:
+        assert np.array_equal(w0[key], w1[key]), key
+        assert np.isfinite(w0[key]).all(), key
+
+
+def test_overflow_on_one_replica_skips_the_step_on_both(mirrored2):
+    """MirroredStrategy (Keras takes the loss scale's decision in cross-replica context from
+    replica 0): replica 1's inf gradient still skips the step and halves the scale."""
+    with mirrored2.scope():
+        w = keras.Variable(np.ones((4, 4), "float32"))
+        opt = keras.optimizers.LossScaleOptimizer(tfbs.BlockSparseOptimizer(
+            keras.optimizers.SGD(0.1), k=1, dense_below=0, exchange="allgather"),
+            initial_scale=8.0)
+        opt.build([w])
+
+    @tf.function
+    def step(poison):
+        def fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            bad = tf.logical_and(poison, tf.equal(rid, 1))
+            g = tf.ones((4, 4)) * tf.where(bad, np.inf, 1.0)
+            opt.apply([g], [w])
+        mirrored2.run(fn)
+
+    step(tf.constant(False))
+    before = [t.numpy() for t in w.value.values]
+    step(tf.constant(True))
+    assert int(opt.iterations.numpy()) == 1 and float(opt.dynamic_scale.numpy()) == 4.0
+    for t, b in zip(w.value.values, before):
+        assert np.array_equal(t.numpy(), b)
+    assert opt.inner_optimizer.block_sparse_metrics()["skipped_steps"] == 1.0
+    step(tf.constant(False))
+    assert int(opt.iterations.numpy()) == 2
+
+
+def test_no_strategy_overflow_skips_and_counts():
+    w = keras.Variable(np.ones((4, 4), "float32"))
+    opt = keras.optimizers.LossScaleOptimizer(tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1), k=1, dense_below=0, exchange="allgather"),
+        initial_scale=8.0)
+    opt.apply([tf.fill((4, 4), np.inf)], [w])
+    assert np.array_equal(w.numpy(), np.ones((4, 4)))
+    assert float(opt.dynamic_scale.numpy()) == 4.0
+    assert opt.inner_optimizer.block_sparse_metrics()["skipped_steps"] == 1.0
