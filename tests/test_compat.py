@@ -228,6 +228,18 @@ def test_backup_files_are_the_ones_keras_writes(tmp_path):
         assert getattr(cb, attr) == os.path.join(tmp_path, "b", name), attr
 
 
+def test_previous_backup_points_keras_at_copies_of_the_bkp_files(tmp_path):
+    cb = keras.callbacks.BackupAndRestore(str(tmp_path))
+    open(cb._prev_weights_path, "w").write("previous")
+    open(cb._prev_training_metadata_path, "w").write('{"epoch": 1}')
+    latest = cb._weights_path
+    with _compat.previous_backup(cb):
+        assert cb._weights_path.endswith(".weights.h5") and cb._weights_path != latest
+        assert open(cb._weights_path).read() == "previous"
+        assert open(cb._training_metadata_path).read() == '{"epoch": 1}'
+    assert cb._weights_path == latest and not os.path.exists(latest)
+
+
 def test_xplane_proto_parses_a_space():
     pb = _compat.xplane_proto()
     space = pb.XSpace()

@@ -11,8 +11,9 @@ table) may import this module.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 #: The versions these hooks are checked against (``tests/test_compat.py``).
@@ -266,6 +267,37 @@ BACKUP_FILES = {"_weights_path": "latest.weights.h5",
                 "_training_metadata_path": "training_metadata.json"}
 
 
+@contextlib.contextmanager
+def previous_backup(callback: Any) -> Iterator[None]:
+    """Within it, a ``keras.callbacks.BackupAndRestore`` reads its previous checkpoint (the
+    ``.bkp`` files ``double_checkpoint`` keeps) as if it were the latest one.
+
+    The files are copied to a private temporary folder first (Keras loads weights only from
+    names ending in ``.weights.h5``), so workers reading at once never write shared files.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    names = (*BACKUP_FILES, "_prev_weights_path", "_prev_training_metadata_path")
+    for attr in names:
+        if not hasattr(callback, attr):
+            raise RuntimeError(f"keras.callbacks.BackupAndRestore has no `{attr}`: this Keras "
+                               f"version is not supported (tested: Keras {TESTED['keras']})")
+    latest = (callback._weights_path, callback._training_metadata_path)
+    with tempfile.TemporaryDirectory(prefix="tfbs_prev_backup_") as tmp:
+        weights = os.path.join(tmp, BACKUP_FILES["_weights_path"])
+        metadata = os.path.join(tmp, BACKUP_FILES["_training_metadata_path"])
+        shutil.copyfile(callback._prev_weights_path, weights)
+        if os.path.exists(callback._prev_training_metadata_path):
+            shutil.copyfile(callback._prev_training_metadata_path, metadata)
+        callback._weights_path, callback._training_metadata_path = weights, metadata
+        try:
+            yield
+        finally:
+            callback._weights_path, callback._training_metadata_path = latest
+
+
 def resumed_epoch(model: Any) -> int:
     """The epoch a ``BackupAndRestore`` callback made ``model.fit`` resume from (0 if none)."""
     return int(getattr(model, "_initial_epoch", 0) or 0)
@@ -284,7 +316,7 @@ __all__: Sequence[str] = [
     "disable_gradient_all_reduce", "flatten_layers", "gradient_all_reduce_disabled",
     "is_on_read", "keras_history",
     "local_components", "no_automatic_dependency_tracking", "nodes_by_depth",
-    "own_trainable_variables", "resumed_epoch",
+    "own_trainable_variables", "previous_backup", "resumed_epoch",
     "strategy_cross_device_ops", "strategy_supports_no_merge_call", "variable_owners",
     "variable_storage", "xplane_proto",
 ]

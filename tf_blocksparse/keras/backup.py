@@ -8,9 +8,13 @@ Keras' callback makes every worker write the same files.  Here:
 * every worker writes its own replicas' per-replica state (residuals, local velocities,
   clipping state) to ``backup_dir/replica_state/worker_<i>.npz``
   (:mod:`tf_blocksparse.keras.replica_state`): local reads, no collective, so a backup costs
-  no link bandwidth however large that state is;
+  no link bandwidth however large that state is; the values are copied at the backup and the
+  file written in the background while training goes on (the next backup, and the end of
+  training, wait for it);
 * on restore every worker loads the chief's checkpoint and each replica gets exactly its own
-  state back; onto a different number of replicas each gets ``sum / N`` (one warning).
+  state back; onto a different number of replicas each gets ``sum / N`` (one warning).  If
+  the process died before every worker's state file of the last backup was written, every
+  worker goes back to the backup before it (``double_checkpoint``, on by default).
 
 ``backup_dir`` must be shared by the workers (the same path on one host, or a shared file
 system), as it must for Keras' own callback.  Training resumes at the start of the epoch after
@@ -72,6 +76,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint,
                          delete_checkpoint=delete_checkpoint)
         self._role = None
+        self._writing = None  # the thread writing this worker's last state file
 
     @property
     def _state_dir(self) -> str:
@@ -89,16 +94,32 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         has_checkpoint = os.path.exists(self._weights_path)
         with opt.replica_state_apart():
             super().on_train_begin(logs)
-        if has_checkpoint and not replica_state.restore(
-                opt, self._state_dir, self._role.index, self._role.num_workers):
+        if not has_checkpoint:
+            return
+        try:
+            restored = replica_state.restore(opt, self._state_dir, self._role.index,
+                                             self._role.num_workers)
+        except replica_state.MissingState:
+            if not (self.double_checkpoint and os.path.exists(self._prev_weights_path)):
+                raise
+            # a crash while the state files of the last backup were written: every worker
+            # sees the same files and goes back to the backup before it
+            with _compat.previous_backup(self), opt.replica_state_apart():
+                super().on_train_begin(logs)
+            restored = replica_state.restore(opt, self._state_dir, self._role.index,
+                                             self._role.num_workers)
+        if not restored:
             raise ValueError(f"{self.backup_dir}: a checkpoint without the per-replica state "
                              f"files of {STATE_DIR}/; the backup is incomplete")
 
     def _save_model(self) -> None:
         opt = block_sparse_optimizer(self.model.optimizer)
         role = self._role or worker_role(self._strategy())
-        if opt is not None:  # first: a checkpoint never refers to state not yet written
-            replica_state.save(opt, self._state_dir, role.index, role.num_workers)
+        if self._writing is not None:  # one file in writing at a time
+            self._writing.join()
+        if opt is not None:  # the values now; the file in the background (see restore)
+            self._writing = replica_state.save(opt, self._state_dir, role.index,
+                                               role.num_workers, background=True)
         if not role.is_chief:  # the model checkpoint is the chief's alone
             return
         os.makedirs(self.backup_dir, exist_ok=True)
@@ -109,6 +130,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             super()._save_model()
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
         role = self._role or worker_role(self._strategy())
         if role.is_chief:  # the chief removes the shared directory
             super().on_train_end(logs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -47,17 +48,26 @@ def worker_path(directory: str, worker_index: int) -> str:
     return os.path.join(directory, f"worker_{worker_index}.npz")
 
 
-def save(optimizer: Any, directory: str, worker_index: int, num_workers: int) -> str:
+class MissingState(ValueError):
+    """No complete set of per-replica state files was saved at the restored step."""
+
+
+def save(optimizer: Any, directory: str, worker_index: int, num_workers: int,
+         background: bool = False) -> threading.Thread | None:
     """Writes this worker's replicas' state of ``optimizer`` (local reads only).
+
+    The values are copied when called; with ``background`` the file is written by a thread
+    (returned: join it before the next save), so training goes on meanwhile.
 
     Args:
       optimizer: A built optimizer whose per-replica state lives in on-read variables.
       directory: Where the workers' files go (shared by the workers).
       worker_index: This worker's index in the cluster.
       num_workers: Workers in the cluster.
+      background: Write the file in a thread.
 
     Returns:
-      The path written.
+      The writing thread with ``background``, else ``None`` (the file is written).
     """
     variables = state_variables(optimizer)
     arrays: dict[str, np.ndarray] = {}
@@ -73,6 +83,18 @@ def save(optimizer: Any, directory: str, worker_index: int, num_workers: int) ->
             "shapes": [list(v.shape) for v in variables],
             "aggregations": [_aggregation(v) for v in variables]}
     os.makedirs(directory, exist_ok=True)
+    if not background:
+        _write(arrays, meta, directory, worker_index, num_workers)
+        return None
+    thread = threading.Thread(target=_write, args=(arrays, meta, directory, worker_index,
+                                                   num_workers), daemon=True,
+                              name=f"replica-state-{worker_index}")
+    thread.start()
+    return thread
+
+
+def _write(arrays: dict[str, np.ndarray], meta: dict, directory: str, worker_index: int,
+           num_workers: int) -> None:
     path = worker_path(directory, worker_index)
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as fh:  # a file object: no .npz appended to the name
@@ -85,7 +107,6 @@ def save(optimizer: Any, directory: str, worker_index: int, num_workers: int) ->
             index = os.path.basename(stale)[len("worker_"):].split(".")[0]
             if index.isdigit() and int(index) >= num_workers:
                 os.remove(stale)
-    return path
 
 
 def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -97,13 +118,22 @@ def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
 def _candidates(directory: str, worker_index: int, iterations: int
                 ) -> tuple[str | None, dict | None, dict | None]:
     """This worker's file (or its ``.bkp``) saved at ``iterations`` steps."""
+    path = _saved_at(directory, worker_index, iterations)
+    if path is None:
+        return None, None, None
+    meta, arrays = _read(path)
+    return path, meta, arrays
+
+
+def _saved_at(directory: str, worker_index: int, iterations: int) -> str | None:
+    """The path of worker ``worker_index``'s file (or ``.bkp``) saved at ``iterations``."""
     path = worker_path(directory, worker_index)
     for candidate in (path, path + _BACKUP_SUFFIX):
         if os.path.exists(candidate):
-            meta, arrays = _read(candidate)
-            if meta["iterations"] == iterations:
-                return candidate, meta, arrays
-    return None, None, None
+            with np.load(candidate) as data:  # the meta entry only
+                if json.loads(str(data["meta"]))["iterations"] == iterations:
+                    return candidate
+    return None
 
 
 def restore(optimizer: Any, directory: str, worker_index: int, num_workers: int) -> bool:
@@ -119,8 +149,9 @@ def restore(optimizer: Any, directory: str, worker_index: int, num_workers: int)
       ``False`` when ``directory`` holds no state files (nothing restored), else ``True``.
 
     Raises:
-      ValueError: The files do not match the optimizer (other variables or shapes, or no file
-        saved at the restored step count).
+      MissingState: No complete set of the workers' files saved at the restored step count
+        (e.g. a crash while they were written).
+      ValueError: The files do not match the optimizer (other variables or shapes).
     """
     if not glob.glob(os.path.join(directory, "worker_*.npz")):
         return False
@@ -128,6 +159,9 @@ def restore(optimizer: Any, directory: str, worker_index: int, num_workers: int)
     iterations = int(optimizer.iterations.numpy())
     local = len(_compat.local_components(variables[0])) if variables else 0
     path, meta, arrays = _candidates(directory, worker_index, iterations)
+    if meta is not None and any(_saved_at(directory, i, iterations) is None
+                                for i in range(meta["num_workers"])):
+        meta = None  # another worker's file of that step is missing: no exact restore
     if meta is not None and (meta["num_workers"], meta["local_replicas"]) == (num_workers, local):
         _check(meta, variables, path)
         for i, v in enumerate(variables):
@@ -158,7 +192,7 @@ def _redistribute(variables: Sequence[Any], directory: str, iterations: int,
         if meta is not None:
             saved.append((path, meta, arrays))
     if not saved or len(saved) != saved[0][1]["num_workers"]:
-        raise ValueError(f"{directory}: no complete set of per-replica state files saved at "
+        raise MissingState(f"{directory}: no complete set of per-replica state files saved at "
                          f"step {iterations} (found {[s[0] for s in saved]}); the backup is "
                          f"incomplete")
     for path, meta, _ in saved:
