@@ -75,12 +75,15 @@ def main(out_dir: str) -> None:
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     poison = Poison(factor, task)
-    model.fit(ds, epochs=1, verbose=0, callbacks=[poison])
+    hist = model.fit(ds, epochs=1, verbose=0, callbacks=[tfbs.BlockSparseMetrics(), poison])
     metrics = opt.block_sparse_metrics()  # a collective: every worker reads it
     np.savez(os.path.join(out_dir, f"mixed_weights_{task}.npz"), *model.get_weights())
     with open(os.path.join(out_dir, f"mixed_{task}.json"), "w") as f:
         json.dump({"iterations": poison.iterations, "scales": poison.scales,
-                   "skipped_steps": metrics["skipped_steps"]}, f)
+                   "skipped_steps": metrics["skipped_steps"],
+                   "payload_bytes": metrics["payload_bytes"],
+                   "epoch": {name: hist.history[name] for name in (
+                       "skipped_steps", "residual_norm", "payload_bytes")}}, f)
 
 
 if __name__ == "__main__":

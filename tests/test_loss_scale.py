@@ -36,6 +36,9 @@ def test_overflow_on_one_worker_skips_the_step_on_both(tmp_path):
         assert scales[k] == scales[k - 1] / 2 and scales[k + 1:] == [scales[k]] * (
             worker.BATCHES - k - 1), scales
         assert record["skipped_steps"] == 1.0
+        epoch = record["epoch"]  # BlockSparseMetrics: means of the applied steps, a total
+        assert epoch["skipped_steps"] == [1.0] and np.isfinite(epoch["residual_norm"]).all()
+        assert epoch["payload_bytes"] == [record["payload_bytes"]]  # the same every step
     assert records[0]["scales"] == records[1]["scales"]
     w0, w1 = (np.load(tmp_path / f"mixed_weights_{i}.npz") for i in range(2))
     for key in w0.files:

@@ -62,8 +62,7 @@ from tf_blocksparse.unitwise import layout_unit_axes
 
 __all__ = ["NONFINITE", "STAT_NAMES", "BlockSparseOptimizer", "discover_owners"]
 
-STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps",
-              "exchange_s", "exchange_s_total")
+STAT_NAMES = step.STAT_NAMES
 
 
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
@@ -172,7 +171,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
                               for j, rule in enumerate(self.clipping) if rule.state_size]
                              for v in var_list]
         self._stats = keras.Variable(
-            initializer=keras.initializers.Zeros(), shape=(len(STAT_NAMES),), dtype="float32",
+            initializer=keras.initializers.Zeros(), shape=(step.STATS_SIZE,), dtype="float32",
             trainable=False, synchronization="on_read", aggregation="mean",
             name="blocksparse_stats")
         super().build(var_list)
@@ -269,7 +268,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         skip a step or none does; a skipped step counts in ``skipped_steps``."""
         finite = loss_scale.finite_on_every_replica(grads)
         if self.built:
-            step.count_skipped(self._stats, finite, STAT_NAMES.index("skipped_steps"))
+            step.count_skipped(self._stats, finite)
         return finite
 
     # -- step ----------------------------------------------------------------------------
@@ -419,24 +418,35 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         return [[self._trainable_variables[i].dtype for i in g] for g in groups]
 
     # -- observability -------------------------------------------------------------------
-    def block_sparse_metrics(self) -> dict[str, float]:
+    def block_sparse_metrics(self, mean: bool = False) -> dict[str, float]:
         """Last step's figures, averaged over replicas (a collective under multi-worker).
+
+        Args:
+          mean: Instead of the last step's, the per-step figures (bytes, ``blocks_kept``,
+            ``residual_norm``, ``exchange_s``) as their means over the finite steps since
+            :meth:`reset_metric_means` (``BlockSparseMetrics`` resets at each epoch).
 
         Returns:
           ``payload_bytes`` and ``dense_bytes`` handed to collectives per replica,
-          ``blocks_kept``, ``residual_norm`` (in the selection metric), ``skipped_steps``,
-          ``exchange_s`` (the wrapper's time in the last step: clipping, compression,
-          collectives, inner apply) and its running total ``exchange_s_total``; with
-          ``exchange="auto"`` also the decision's figures (``auto_*``, see
+          ``blocks_kept``, ``residual_norm`` (in the selection metric), ``skipped_steps``
+          (the total since the optimizer was built in this process), ``exchange_s`` (the
+          wrapper's time in the last step: clipping, compression, collectives, inner apply)
+          and its running total ``exchange_s_total``; with ``exchange="auto"`` also the
+          decision's figures (``auto_*``, see
           :meth:`~tf_blocksparse.planning.exchange_cost.ExchangeDecision.summary`).
         """
         if not self.built:
             return {}
-        values = self._stats.numpy()
-        out = {n: float(v) for n, v in zip(STAT_NAMES, values)}
+        out = step.stat_figures(self._stats.numpy(), mean)
         if self.exchange_decision is not None:
             out.update(self.exchange_decision.summary())
         return out
+
+    def reset_metric_means(self) -> None:
+        """Starts the means of ``block_sparse_metrics(mean=True)`` afresh (a local write on
+        each worker, no collective)."""
+        if self.built:
+            step.reset_sums(self._stats)
 
     # -- config --------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Pieces of ``BlockSparseOptimizer``'s step that need no optimizer state of their own:
 the fusion plan and the exchange per fusion group, the finite-step guard, the statistics row
-and the inner optimizer's apply.
+(the last step's figures, and sums over the steps since a reset for means per epoch) and the
+inner optimizer's apply.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ from tf_blocksparse import _compat, codec
 from tf_blocksparse.exchange import ExchangeResult, run_exchange
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
+
+#: The figures of the per-replica statistics row, in order: the last step's (the counts and
+#: running totals ``skipped_steps`` and ``exchange_s_total`` since the optimizer was built).
+STAT_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "skipped_steps",
+              "exchange_s", "exchange_s_total")
+#: The per-step figures whose sums over the finite steps since the last :func:`reset_sums`
+#: follow in the row (for means per epoch), then the number of those steps.
+MEAN_NAMES = ("payload_bytes", "dense_bytes", "blocks_kept", "residual_norm", "exchange_s")
+#: Length of the statistics row.
+STATS_SIZE = len(STAT_NAMES) + len(MEAN_NAMES) + 1
 
 
 def fusion_plan(tensors: Sequence[Any], idx: Sequence[int], ranks: Sequence[int] | None,
@@ -38,25 +49,54 @@ def when_finite(nonfinite: str, finite: tf.Tensor, fn: Any) -> None:
         tf.cond(finite, fn, tf.no_op)
 
 
-def count_skipped(stats: keras.Variable, finite: tf.Tensor, index: int) -> None:
-    """Adds 1 to entry ``index`` (``skipped_steps``) of the per-replica ``stats`` unless the
-    step is ``finite`` (a step skipped before the wrapper's own step ran)."""
+def count_skipped(stats: keras.Variable, finite: tf.Tensor) -> None:
+    """Adds 1 to ``skipped_steps`` in the per-replica ``stats`` unless the step is
+    ``finite`` (a step skipped before the wrapper's own step ran)."""
     def add() -> None:
-        stats.value.assign_add(tf.one_hot(index, stats.shape[0], dtype=stats.dtype))
+        stats.value.assign_add(tf.one_hot(STAT_NAMES.index("skipped_steps"), STATS_SIZE,
+                                          dtype=stats.dtype))
 
     tf.cond(finite, lambda: None, add)
 
 
 def record_stats(stats: keras.Variable, result: ExchangeResult, seconds: tf.Tensor) -> None:
-    """Writes the step's figures (``STAT_NAMES`` order) into the per-replica ``stats``;
-    ``seconds`` is the wrapper's time in the step."""
+    """Writes the step's figures into the per-replica ``stats`` (see :data:`STATS_SIZE`);
+    ``seconds`` is the wrapper's time in the step.  A finite step's figures of
+    :data:`MEAN_NAMES` are also added to their sums, and it is counted."""
     old = tf.convert_to_tensor(stats.value)
-    skipped = old[4] + tf.cast(tf.logical_not(result.finite), tf.float32)
+    n = len(STAT_NAMES)
+    skipped = old[STAT_NAMES.index("skipped_steps")] + tf.cast(
+        tf.logical_not(result.finite), tf.float32)
     seconds = tf.cast(seconds, tf.float32)
-    stats.value.assign(tf.stack([
+    total = old[STAT_NAMES.index("exchange_s_total")] + seconds
+    last = tf.stack([
         tf.constant(float(result.payload_bytes)), tf.constant(float(result.dense_bytes)),
         tf.constant(float(result.blocks_kept)), tf.cast(result.residual_norm, tf.float32),
-        skipped, seconds, old[6] + seconds]))
+        skipped, seconds, total])
+    step = tf.concat([tf.gather(last, [STAT_NAMES.index(m) for m in MEAN_NAMES]), [1.0]], 0)
+    sums = old[n:] + tf.where(result.finite, step, tf.zeros_like(step))  # NaN stays out
+    stats.value.assign(tf.concat([last, sums], 0))
+
+
+def stat_figures(values: Sequence[float], mean: bool) -> dict[str, float]:
+    """The figures of a ``stats`` reading: the last step's, or with ``mean`` those of
+    :data:`MEAN_NAMES` as means over the steps summed since the last reset (the last step's
+    when none was), the others as they stand (``skipped_steps`` is a total)."""
+    n = len(STAT_NAMES)
+    out = {name: float(v) for name, v in zip(STAT_NAMES, values[:n])}
+    steps = float(values[-1])
+    if mean and steps > 0:
+        out.update({name: float(v) / steps for name, v in zip(MEAN_NAMES, values[n:-1])})
+    return out
+
+
+def reset_sums(stats: keras.Variable) -> None:
+    """Zeroes the sums and the step count of ``stats`` on this worker's replicas (a local
+    write, no collective); the last step's figures and the totals stay."""
+    n = len(STAT_NAMES)
+    for component in _compat.local_components(stats):
+        value = tf.convert_to_tensor(component)
+        component.assign(tf.concat([value[:n], tf.zeros_like(value[n:])], 0))
 
 
 def apply_inner(inner: keras.optimizers.Optimizer, nonfinite: str,
