@@ -36,6 +36,7 @@ _EXPORTS = {
     "BlockSparseOptimizer": "tf_blocksparse.keras.optimizer",
     "BlockTopK": "tf_blocksparse.feedback",
     "CompressionOptions": "tf_blocksparse.options",
+    "DensePhaseCallback": "tf_blocksparse.keras.dense_phase",
     "DensityWarmup": "tf_blocksparse.keras.warmup",
     "ElementTopK": "tf_blocksparse.feedback",
     "EvalResult": "tf_blocksparse.keras.evaluation",

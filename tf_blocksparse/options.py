@@ -140,6 +140,20 @@ def validate_block_rules(rules: Any) -> tuple[tuple[str, str | blocks.BlockRule]
     return tuple(out)
 
 
+def validate_dense_steps(dense_steps: Any) -> int:
+    """Checks the length of the dense phase (optimizer steps); ``None`` means 0 (none).
+
+    Raises:
+      ValueError: Not an int >= 0.
+    """
+    if dense_steps is None:
+        return 0
+    if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
+        raise ValueError(f"`dense_steps` must be an int >= 0 (optimizer steps), got "
+                         f"{dense_steps!r}")
+    return dense_steps
+
+
 def _check_exchange(exchange: Any) -> str | AutoExchange:
     """``exchange`` checked: a mode of :data:`EXCHANGES`, or ``"auto"`` / an
     :class:`AutoExchange` (or its ``{"auto": config}``) as the policy object."""
@@ -175,6 +189,12 @@ class CompressionOptions:
         residual); ``None`` or 0 compresses every variable.
       block_rules: ``{path regex: rule name}`` overriding the block-rule table (first match
         wins); stored as ordered ``(pattern, rule)`` pairs.
+      dense_steps: The first ``dense_steps`` optimizer steps (its ``iterations``) send the
+        dense all-reduce whatever ``exchange`` says, as PowerSGD's ``start_powerSGD_iter``:
+        the early, fast-changing gradients are not delayed by error feedback.  Then the
+        exchange switches once, its state moved exactly (see
+        :mod:`~tf_blocksparse.keras.mode_switch`); 0 (default): no dense phase.  Only the
+        Keras optimizer wrapper counts steps (``model.fit`` switches by itself).
 
     Raises:
       ValueError: A bad value; the message names the argument.
@@ -187,6 +207,7 @@ class CompressionOptions:
     granularity: str = "block"
     dense_below: int = DEFAULT_DENSE_BELOW
     block_rules: tuple[tuple[str, Any], ...] = ()
+    dense_steps: int = 0
 
     def __post_init__(self) -> None:
         k, density = validate_k_density(self.k, self.density)
@@ -197,6 +218,7 @@ class CompressionOptions:
         check_choice(self.granularity, GRANULARITIES, "granularity")
         object.__setattr__(self, "dense_below", validate_dense_below(self.dense_below))
         object.__setattr__(self, "block_rules", validate_block_rules(self.block_rules))
+        object.__setattr__(self, "dense_steps", validate_dense_steps(self.dense_steps))
 
     @property
     def sparse(self) -> bool:
@@ -237,7 +259,7 @@ class CompressionOptions:
         return {"k": self.k, "density": self.density,
                 "metric": self.metric, "exchange": exchange,
                 "granularity": self.granularity, "dense_below": self.dense_below,
-                "block_rules": self.rules}
+                "block_rules": self.rules, "dense_steps": self.dense_steps}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> CompressionOptions:

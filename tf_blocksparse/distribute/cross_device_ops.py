@@ -72,8 +72,9 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         also readable as attributes (``k``, ``density``, ...).
 
     Raises:
-      ValueError: A bad option (named), ``exchange`` ``"dense"`` or ``"auto"``, or both
-        ``compression`` and option keywords.
+      ValueError: A bad option (named), ``exchange`` ``"dense"`` or ``"auto"``,
+        ``dense_steps`` (the optimizer wrapper's alone), or both ``compression`` and option
+        keywords.
     """
 
     k = option_view("k", "options")
@@ -96,6 +97,10 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         if not self.options.sparse:
             raise ValueError(f"`exchange` must be one of {SPARSE_EXCHANGES} for "
                              f"BlockSparseCrossDeviceOps, got {self.options.exchange!r}")
+        if self.options.dense_steps:
+            raise ValueError(f"`dense_steps` must be 0 for BlockSparseCrossDeviceOps, got "
+                             f"{self.options.dense_steps}: only BlockSparseOptimizer counts "
+                             "steps to end a dense phase")
         super().__init__()
         self._model = model
         self._residuals: dict[tuple, list[list[tf.Variable]]] = {}

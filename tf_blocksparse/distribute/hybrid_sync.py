@@ -204,6 +204,10 @@ class GroupSync:
             raise ValueError(f"`compression` of group {name!r}: exchange='auto' (the "
                              "CompressionOptions default) is only supported by "
                              "BlockSparseOptimizer; choose 'allgather', 'shared' or 'dense'")
+        if options is not None and options.dense_steps:
+            raise ValueError(f"`compression` of group {name!r}: dense_steps="
+                             f"{options.dense_steps} is only supported by "
+                             "BlockSparseOptimizer (it counts the steps); use 0")
         self.options = options if options is not None and options.sparse else None
         refs = self.replicas[0].trainable_refs
         self.layouts = blocks.layouts_for(refs, model,

@@ -1,13 +1,21 @@
-"""What ``exchange="auto"`` adds to :class:`~tf_blocksparse.keras.optimizer.BlockSparseOptimizer`.
+"""What ``exchange="auto"`` and ``dense_steps`` add to
+:class:`~tf_blocksparse.keras.optimizer.BlockSparseOptimizer`: modes that change in training.
 
-One :class:`AutoExchangeRuntime` per optimizer holds the automatic exchange's parts of the
-step: the :class:`~tf_blocksparse.keras.auto_exchange.ExchangeChooser` (measurements and the
-mode of every fusion group), where a group's momentum lives in each mode, and the state that
-moves when a group changes mode (:mod:`~tf_blocksparse.keras.mode_switch`).  The optimizer
-asks it three things per step: which variables carry no per-replica state (dense groups
-flushed at their switch), which variables' momentum the inner SGD applies (dense groups),
-and how the fusion groups are exchanged (adjacent groups of one mode share one set of
-collectives).
+One :class:`AutoExchangeRuntime` per optimizer holds the parts of the step that depend on the
+mode of each fusion group: with ``exchange="auto"`` the
+:class:`~tf_blocksparse.keras.auto_exchange.ExchangeChooser` (measurements and the mode of
+every group), during a dense phase (``dense_steps``) the dense mode for every group, where a
+group's momentum lives in each mode, and the state that moves when a group changes mode
+(:mod:`~tf_blocksparse.keras.mode_switch`).  The optimizer asks it three things per step:
+which variables carry no per-replica state (dense groups flushed at their switch), which
+variables' momentum the inner SGD applies (dense groups), and how the fusion groups are
+exchanged (adjacent groups of one mode share one set of collectives).
+
+A dense phase is the fixed exchange's (or the chooser's) modes overridden by ``"dense"``
+until :meth:`AutoExchangeRuntime.end_dense_phase`: its steps are ``exchange="dense"``'s bit
+for bit (no per-replica state, an inner SGD's own momentum), and its end moves the state as
+any switch from dense does.  The chooser may re-decide meanwhile; its modes take effect when
+the phase ends.
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ class AutoExchangeRuntime:
     """The automatic exchange's part of one optimizer.
 
     Args:
-      owner: The ``BlockSparseOptimizer`` built with ``exchange="auto"`` (its inner
-        optimizer, momentum policy and, at a switch, its per-replica state are used).
+      owner: The ``BlockSparseOptimizer`` built with ``exchange="auto"`` or a sparse
+        exchange and ``dense_steps`` (its inner optimizer, momentum policy and, at a
+        switch, its per-replica state are used).
 
     Attributes:
       inner_momentum: Local momentum ``m`` over an inner ``SGD`` (not Nesterov, without
@@ -42,12 +51,17 @@ class AutoExchangeRuntime:
       flush_at_switch: A group entering the dense exchange is flushed at the switch (its
         residual applied once, its momentum moved), so dense groups carry no per-replica
         state in the step; otherwise its first dense step sends ``grad + residual``.
-      chooser: The :class:`ExchangeChooser` once the owner is built, else ``None``.
+      chooser: The :class:`ExchangeChooser` once an owner with ``exchange="auto"`` is
+        built, else ``None`` (a fixed exchange: every group in it after the dense phase).
+      dense_phase: Whether every group is exchanged densely for now (``dense_steps``).
     """
 
     def __init__(self, owner: Any):
         inner, momentum = owner.inner_optimizer, owner.momentum_policy
         self._owner = owner
+        self.dense_phase = owner.compression.dense_steps > 0
+        self._groups: list[list[int]] = []
+        self._strategy: Any = None
         self.inner_momentum = bool(
             momentum is not None and momentum.active
             and isinstance(inner, keras.optimizers.SGD) and not inner.nesterov
@@ -62,11 +76,15 @@ class AutoExchangeRuntime:
     def build(self, strategy: Any, variables: Sequence[Any],
               groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
               dtypes: Sequence[Sequence[Any]]) -> None:
-        """Creates the chooser over the owner's fusion groups (indices into its trainable
-        ``variables``, which a switch updates) under ``strategy`` and, where collectives can
-        be timed (eagerly, cross-replica), takes the build-time decision; the state is still
-        empty then, so nothing moves."""
+        """Keeps the owner's fusion groups (indices into its trainable ``variables``, which a
+        switch updates) under ``strategy``; with ``exchange="auto"`` creates the chooser over
+        them and, where collectives can be timed (eagerly, cross-replica), takes the
+        build-time decision; the state is still empty then, so nothing moves."""
         self._variables = list(variables)
+        self._groups = [list(g) for g in groups]
+        self._strategy = strategy
+        if not self._owner.compression.auto:
+            return
         self.chooser = ExchangeChooser(self._owner.exchange, strategy, groups, compressors,
                                        dtypes)
         if can_measure():  # nothing is traced yet: free to choose any modes
@@ -74,9 +92,24 @@ class AutoExchangeRuntime:
         self.chooser.on_change = self._on_modes_change
 
     @tf.autograph.experimental.do_not_convert  # decided while tracing, in Python
+    def mode_of(self, variable: int) -> str:
+        """The mode variable index ``variable`` is exchanged with now."""
+        if self.dense_phase:
+            return "dense"
+        if self.chooser is not None:
+            return self.chooser.mode_of(variable)
+        return self._owner.exchange
+
+    def _modes(self) -> list[str]:
+        """The mode of every group after the dense phase."""
+        if self.chooser is not None:
+            return list(self.chooser.modes)
+        return [self._owner.exchange] * len(self._groups)
+
+    @tf.autograph.experimental.do_not_convert  # decided while tracing, in Python
     def in_dense_group(self, variable: int) -> bool:
         """Whether variable index ``variable`` is in a densely exchanged group now."""
-        return self.chooser is not None and self.chooser.mode_of(variable) == "dense"
+        return self.mode_of(variable) == "dense"
 
     @tf.autograph.experimental.do_not_convert  # decided while tracing, in Python
     def stateless(self, variable: int) -> bool:
@@ -94,7 +127,7 @@ class AutoExchangeRuntime:
         all-reduce's sums depend on where an element sits in the buffer, and with the same
         layout the training is the fixed exchange's bit for bit."""
         merged, modes = merge_runs([list(g) for g in groups],
-                                   [self.chooser.mode_of(idx[g[0]]) for g in groups],
+                                   [self.mode_of(idx[g[0]]) for g in groups],
                                    lambda a, b: a + b)
         return [sorted(g) for g in merged], modes
 
@@ -108,11 +141,27 @@ class AutoExchangeRuntime:
                              "context (it runs collectives on every worker)")
         return self.chooser.decide(compute_s)
 
+    def end_dense_phase(self) -> bool:
+        """Ends the dense phase: every group takes its mode (the fixed exchange, or the
+        chooser's) and its state moves (eagerly, every worker together).  Returns whether it
+        was on (then the step must be re-traced)."""
+        if not self.dense_phase:
+            return False
+        self.dense_phase = False
+        self._move(["dense"] * len(self._groups), self._modes())
+        return True
+
     def _on_modes_change(self, old: Sequence[str], new: Sequence[str]) -> None:
+        """The chooser's modes changed: moves the state, unless the dense phase still holds
+        every group dense."""
+        if not self.dense_phase:
+            self._move(old, new)
+
+    def _move(self, old: Sequence[str], new: Sequence[str]) -> None:
         """Moves per-group state between its dense and sparse homes (eagerly, every worker
         together; see :mod:`~tf_blocksparse.keras.mode_switch`)."""
-        owner, chooser = self._owner, self.chooser
-        groups, strategy, inner = chooser.groups, chooser.strategy, owner.inner_optimizer
+        owner, groups, strategy = self._owner, self._groups, self._strategy
+        inner = owner.inner_optimizer
         leaving = [i for g, a, b in zip(groups, old, new) if a == "dense" != b for i in g]
         entering = [i for g, a, b in zip(groups, old, new) if a != "dense" == b for i in g]
         if self.inner_momentum and owner.velocities:

@@ -9,8 +9,9 @@ not yet sent, each to be applied once, without further momentum.
 Both moves run eagerly in cross-replica context, on every worker together (they read
 per-replica state, a collective), when the modes change:
 
-- :func:`to_velocities` (dense -> sparse): ``u = -M / (lr N)`` on each of the ``N``
-  replicas, ``M = 0``;
+- :func:`to_velocities` (dense -> sparse): ``u += -M / (lr N)`` on each of the ``N``
+  replicas, ``M = 0`` (a dense group's ``u`` is zero, so that is ``u = -M / (lr N)``; after
+  a restore in the sparse mode ``M`` is zero and the restored ``u`` stays);
 - :func:`flush_to_weights` (sparse -> dense): ``w -= lr sum(r)``, ``M = -lr sum(u)``, then
   ``r = u = 0``, so the dense steps need no per-replica state at all.
 """
@@ -73,7 +74,7 @@ def _zero(strategy: tf.distribute.Strategy, states: Sequence[keras.Variable]) ->
 def to_velocities(strategy: tf.distribute.Strategy, inner: keras.optimizers.Optimizer,
                   velocities: Sequence[keras.Variable], variables: Sequence[int]) -> None:
     """Moves the inner SGD's momentum of ``variables`` (indices) into the per-replica
-    velocities: ``u = -M / (lr N)`` on every replica, then ``M = 0``."""
+    velocities: ``u += -M / (lr N)`` on every replica, then ``M = 0``."""
     if not variables:
         return
     lr = _learning_rate(inner)
@@ -82,7 +83,7 @@ def to_velocities(strategy: tf.distribute.Strategy, inner: keras.optimizers.Opti
     def replica_fn() -> None:
         for i in variables:
             m = tf.convert_to_tensor(inner.momentums[i])
-            velocities[i].value.assign(tf.cast(scale, m.dtype) * m)
+            velocities[i].value.assign_add(tf.cast(scale, m.dtype) * m)
 
     with strategy.scope():
         strategy.run(replica_fn)

@@ -40,7 +40,7 @@ import tensorflow as tf
 from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import auto_exchange, loss_scale
+from tf_blocksparse.keras import auto_exchange, dense_phase, loss_scale
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.keras.forward_order import backward_ranks
@@ -140,8 +140,10 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self.clipping = rules
         self._model = model
         _compat.disable_gradient_all_reduce(inner)
-        # exchange="auto": the chooser, where a group's momentum lives, the switch's moves
-        self._auto = AutoExchangeRuntime(self) if compression.auto else None
+        # exchange="auto" or a dense phase: the modes, where a group's momentum lives, the
+        # switch's moves
+        changing = compression.auto or (compression.dense_steps and compression.sparse)
+        self._auto = AutoExchangeRuntime(self) if changing else None
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
         self._backward_ranks: list[int] | None = None
@@ -386,6 +388,26 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             raise ValueError("measure_exchange() needs a built optimizer with exchange='auto'")
         return self._auto.measure(compute_s)
 
+    # -- dense phase ---------------------------------------------------------------------
+    @property
+    def in_dense_phase(self) -> bool:
+        """Whether the step is still traced as the dense exchange (``dense_steps``, see
+        :mod:`~tf_blocksparse.keras.dense_phase`)."""
+        return self._auto is not None and self._auto.dense_phase
+
+    def update_dense_phase(self) -> bool:
+        """Ends the dense phase once ``iterations`` reach ``dense_steps``: moves the state
+        (every worker must call it, eagerly in cross-replica context, between steps).
+
+        Returns:
+          Whether it ended now; then re-trace the step (``model.fit`` does, see
+          :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback`).
+        """
+        if not self.in_dense_phase or not self.built or \
+                int(self.iterations.numpy()) < self.compression.dense_steps:
+            return False
+        return self._auto.end_dense_phase()
+
     @property
     def exchange_chooser(self) -> auto_exchange.ExchangeChooser | None:
         """The automatic exchange's per-group chooser (``None`` for a fixed exchange)."""
@@ -477,3 +499,5 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
 
 # An outer LossScaleOptimizer decides with the check every replica agrees on.
 _compat.delegate_loss_scale_check("agreed_finite")
+# model.fit ends a dense phase by itself.
+_compat.extend_callback_lists(dense_phase.fit_callbacks)

@@ -12,6 +12,9 @@ sets the optimizer's ``density`` and asks the model for a freshly traced train f
 residuals (error feedback), velocities and clipping state are variables of the optimizer and
 carry over unchanged.  Under ``MultiWorkerMirroredStrategy`` every worker runs the callback at
 the same epoch boundary (Keras runs callbacks on every worker), so all re-trace together.
+
+A warm-up counted in optimizer steps that sends everything densely is the optimizer's
+``dense_steps`` option (:mod:`~tf_blocksparse.keras.dense_phase`); the two combine.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""The dense phase of :class:`~tf_blocksparse.keras.optimizer.BlockSparseOptimizer`
+(``dense_steps=N``): the first ``N`` optimizer steps send the dense all-reduce, as PyTorch
+PowerSGD's ``start_powerSGD_iter``; then the configured exchange takes over.
+
+While it lasts, every fusion group is exchanged as ``exchange="dense"`` would: no residual or
+velocity is read or written, an inner ``SGD``'s momentum is its own (the dense exchange's
+weights and bytes, bit for bit).  Its end is one switch from dense, at an optimizer step
+boundary, made eagerly on every worker together: the inner SGD's momentum ``M`` moves into
+the per-replica velocities of momentum correction (``u = -M / (lr N)``, so the momentum
+continues), the residuals start at zero (nothing was delayed), and the step is re-traced
+(see :mod:`~tf_blocksparse.keras.mode_switch`).
+
+``model.fit`` ends it by itself: :class:`DensePhaseCallback` is added to its callbacks when
+the optimizer has a dense phase; after every batch it compares the optimizer's
+``iterations`` (the steps applied: a step skipped as non-finite does not count) with ``N``,
+also at the start of training, so a run resumed from a backup past ``N`` switches before its
+first step.  With ``steps_per_execution > 1`` the switch waits for the end of the execution.
+A custom loop calls :meth:`BlockSparseOptimizer.update_dense_phase` between steps and
+re-traces its step function when it returns ``True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+__all__ = ["DensePhaseCallback", "fit_callbacks"]
+
+
+class DensePhaseCallback(keras.callbacks.Callback):
+    """Ends the optimizer's dense phase (``dense_steps``) during ``model.fit`` once its
+    ``iterations`` reach ``dense_steps``, and has Keras re-trace the train function.
+
+    ``model.fit`` adds one by itself when the model's optimizer has a dense phase and
+    ``callbacks=`` holds none.  Every worker runs callbacks, so all switch at the same step.
+    """
+
+    def _opt(self) -> Any:
+        from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
+
+        return find_block_sparse(getattr(self.model, "optimizer", None))
+
+    def _update(self) -> None:
+        opt = self._opt()
+        if opt is not None and opt.in_dense_phase and opt.update_dense_phase():
+            self.model.make_train_function(force=True)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._update()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._update()
+
+
+def fit_callbacks(model: Any, callbacks: list) -> list:
+    """A :class:`DensePhaseCallback` for a Keras ``CallbackList`` of ``model`` whose optimizer
+    has a dense phase, and that holds none yet (the optimizer's module registers it with
+    :func:`tf_blocksparse._compat.extend_callback_lists`)."""
+    from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
+
+    opt = find_block_sparse(getattr(model, "optimizer", None))
+    if opt is None or not opt.compression.dense_steps or \
+            any(isinstance(c, DensePhaseCallback) for c in callbacks):
+        return []
+    return [DensePhaseCallback()]
