@@ -232,9 +232,7 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
     Per replica ``u = momentum * u + g``; ``u`` goes through error feedback, selection and
     exchange in place of ``g``; ``masking="all"`` zeroes the blocks a replica sent in its
     ``u`` too, ``"waited"`` only those whose residual block was non-zero before the step,
-    ``"none"`` none.  A variable whose every block is sent (``dense_below``, or ``k`` /
-    ``density`` reaching every block) keeps its ``u`` whole: momentum SGD, as DGC leaves
-    uncompressed layers on plain momentum.
+    ``"none"`` none.  Variables sent whole (``dense_below``) count every block as sent.
 
     Returns:
       ``(updates, new_residuals, new_velocities, finite)``.
@@ -247,15 +245,13 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                                          metric, sent=sent, dense_below=dense_below)
     if mode == "dense" or masking == "none":
         return updates, residuals, us, finite
-    masked = sent
     if masking == "waited":
-        masked = [[np.asarray([i for i in ids if np.any(np_view(np.asarray(r), lay)[:, i, :])],
-                              dtype=np.int64)
-                   for ids, lay, r in zip(ids_r, layouts, rs_r)]
-                  for ids_r, rs_r in zip(sent, residuals_per_replica)]
-    velocities = [[u if len(all_ids) >= lay.num_blocks else np_zero_blocks(u, lay, ids)
-                   for u, lay, ids, all_ids in zip(us_r, layouts, ids_r, sent_r)]
-                  for us_r, ids_r, sent_r in zip(us, masked, sent)]
+        sent = [[np.asarray([i for i in ids if np.any(np_view(np.asarray(r), lay)[:, i, :])],
+                            dtype=np.int64)
+                 for ids, lay, r in zip(ids_r, layouts, rs_r)]
+                for ids_r, rs_r in zip(sent, residuals_per_replica)]
+    velocities = [[np_zero_blocks(u, lay, ids) for u, lay, ids in zip(us_r, layouts, ids_r)]
+                  for us_r, ids_r in zip(us, sent)]
     return updates, residuals, velocities, finite
 
 

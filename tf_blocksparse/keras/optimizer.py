@@ -150,6 +150,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self._residuals: list[keras.Variable] = []
         self._clip_states: list[list[keras.Variable]] = []
         self._velocities: list[keras.Variable] = []
+        self._state_apart = False  # see replica_state_apart
 
     # -- state ---------------------------------------------------------------------------
     @_compat.no_automatic_dependency_tracking
@@ -221,14 +222,14 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         state per worker instead (:mod:`tf_blocksparse.keras.replica_state`), since a
         cross-replica read of it is an all-reduce.  Outside it (``model.save``), the state is
         saved as its sum over replicas and a load gives every replica ``sum / N``."""
-        before, self._state_apart = getattr(self, "_state_apart", False), True
+        before, self._state_apart = self._state_apart, True
         try:
             yield
         finally:
             self._state_apart = before
 
     def _saved_variables(self) -> list[keras.Variable]:
-        if getattr(self, "_state_apart", False):
+        if self._state_apart:
             return [v for v in self.variables if not _compat.is_on_read(v)]
         return self.variables
 
@@ -334,12 +335,9 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             commits += [(r, new) for r, new in zip(residuals, result.residuals)
                         if new is not None]
         if velocities and live:  # factor masking: what a replica sent leaves its velocity too
-            compressor = self._compressor([idx[p] for p in live])
-            sent = None if result.sent_ids is None else [
-                None if n >= lay.num_blocks else result.sent_ids[p]  # whole: momentum SGD
-                for p, n, lay in zip(live, compressor.counts, compressor.layouts)]
+            sent = None if result.sent_ids is None else [result.sent_ids[p] for p in live]
             kept = self.momentum_policy.mask(
-                [grads[p] for p in live], compressor.layouts,
+                [grads[p] for p in live], self._compressor([idx[p] for p in live]).layouts,
                 sent, None if state is None else [state[p] for p in live])
             if auto and auto.inner_momentum:  # dense groups' momentum is the inner's
                 kept = [tf.zeros_like(u) if auto.in_dense_group(idx[p]) else u
