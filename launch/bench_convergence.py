@@ -115,6 +115,17 @@ def accuracy_curve(record: dict) -> list[float]:
     return list(hist.get("val_accuracy") or hist.get("val_token_accuracy") or [])
 
 
+def _counted(record: dict) -> int:
+    """The examples the run's test accuracy divides by (``test_counted``; older records of
+    a sequence model lack it and give it as correct / accuracy)."""
+    if "test_counted" in record:
+        return int(record["test_counted"])
+    if record["test_accuracy"] and record["test_correct"] != round(
+            record["test_accuracy"] * record["test_examples"]):
+        return round(record["test_correct"] / record["test_accuracy"])
+    return int(record["test_examples"])
+
+
 def summarise(model: str, method: str, records: list[dict]) -> dict:
     """Mean / std of the final accuracy and the per-epoch curve of one model x method."""
     finals = [r["test_accuracy"] for r in records]
@@ -126,7 +137,8 @@ def summarise(model: str, method: str, records: list[dict]) -> dict:
         "model": model, "method": method, "seeds": [r["flags"]["seed"] for r in records],
         "final_accuracy": [round(a, 4) for a in finals],
         "test_correct": [r["test_correct"] for r in records],
-        "test_examples": [r["test_examples"] for r in records],
+        # what the accuracy counts: test images, or target tokens of a sequence model
+        "test_examples": [_counted(r) for r in records],
         "mean": final["mean"], "std": final["std"],
         "curve_mean": [e["mean"] for e in per_epoch], "curve_std": [e["std"] for e in per_epoch],
         "epochs": epochs, "steps": records[0]["steps"],
@@ -189,6 +201,7 @@ def summarise_runs(runs: list[dict], models: list[str]) -> list[dict]:
 
 def _slim(record: dict) -> dict:
     keep = ("model", "method", "test_accuracy", "test_loss", "test_correct", "test_examples",
+            "test_counted",
             "steps", "steps_per_epoch", "payload_bytes_per_step", "dense_bytes_per_step",
             "launcher_wall_s", "train_s_per_epoch", "provenance")
     out = {k: record[k] for k in keep if k in record}

@@ -121,6 +121,9 @@ def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
     """
     records, summary, targets = [], [], {}
     for model in models:
+        if any((model, m) not in curves for m in methods):
+            print(f"{model}: no converged curves of every method yet; not composed")
+            continue
         dense = curves[(model, "dense")]
         target = statistics.fmean(c[-1] for c in dense.values()) - target_drop
         targets[model] = round(target, 4)
