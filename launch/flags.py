@@ -1,12 +1,16 @@
 """The flags of ``launch.train`` (shared with ``launch.train_hybrid``), each validated at parsing.
 
-``launch.script.run`` makes them the running script's own, so its ``--help`` lists them.
+``launch.script.run`` makes them the running script's own, so its ``--help`` lists them;
+the fault-injection flags of the tests (:mod:`launch.testing_flags`) stay out of ``--help``
+(``--helpfull`` shows them).  Nothing here imports TensorFlow or Keras: ``--help`` and a
+flag error answer at once.
 """
 
 from __future__ import annotations
 
 from absl import flags
 
+from launch.testing_flags import define_testing_flags
 from models.registry import DATASET_MODELS
 from tf_blocksparse.options import AUTO_EXCHANGE, MASKINGS, METRICS, SPARSE_EXCHANGES
 
@@ -137,15 +141,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "resume from a backup; --nobackup trains without.", **fv)
     flags.DEFINE_integer("save_freq", 0, "Back up every N steps (0 = every epoch); needs "
                          "--model_dir.", lower_bound=0, **fv)
-    flags.DEFINE_integer("fail_at_step", -1, "Fault injection for tests: worker "
-                         "--fail_worker exits with code 17 after this many steps.", **fv)
-    flags.DEFINE_integer("fail_worker", 1, "Worker index that --fail_at_step kills.", **fv)
     flags.DEFINE_boolean("block_metrics", False, "Also print the block-sparse figures "
                          "(payload_bytes, dense_bytes, compression, blocks_kept, residual_norm, "
                          "skipped_steps) on the per-epoch progress line; metrics.json and "
                          "TensorBoard always have them.", **fv)
-    flags.DEFINE_string("dump_restored", None, "For tests: after restoring a backup, each "
-                        "worker saves its local residuals to PATH.worker_<i>.npz.", **fv)
+    define_testing_flags(flag_values)  # not key flags: --help leaves them out
 
     flags.register_validator(
         "density", lambda d: d is None or 0.0 < d <= 1.0, "--density must be in (0, 1]", **fv)
@@ -167,8 +167,6 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "--warmup_epochs needs --lr_schedule=cosine and must be below --epochs", **fv)
     flags.register_validator("momentum", lambda m: 0.0 <= m <= 1.0,
                              "--momentum must be in [0, 1]", **fv)
-    flags.register_validator("fail_worker", lambda w: w >= 0, "--fail_worker must be >= 0",
-                             **fv)
     flags.register_validator(
         "synthetic_shape", _valid_shape,
         "--synthetic_shape must be a comma-separated list of positive integers", **fv)

@@ -15,14 +15,16 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import keras
 from absl import flags
 
 from launch import script
 from models import registry
-from tf_blocksparse import blocks, selection
-from tf_blocksparse.feedback import validate_k_density
+from tf_blocksparse import blocks
+
+if TYPE_CHECKING:  # TensorFlow and Keras load in the functions: --help answers at once
+    import keras
 
 #: The registry's image models.
 MODELS = tuple(n for n in registry.MODELS if not registry.is_sequence_model(n))
@@ -85,6 +87,8 @@ def build_model(name: str, input_shape: Sequence[int] | None = None) -> keras.Mo
 def _kept_rows(rows: Sequence[blocks.BlockTableRow], k: int | None, density: float | None
                ) -> list[tuple[int, int, float]]:
     """Per row: ``(kept blocks, kept values, payload fraction)``."""
+    from tf_blocksparse import selection
+
     out = []
     for r in rows:
         kept = selection.num_selected(r.num_blocks, k, density)
@@ -100,6 +104,8 @@ def render(model: str = "cnn_small", input_shape: Sequence[int] | None = None,
         raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
     selecting = k is not None or density is not None
     if selecting:
+        from tf_blocksparse.feedback import validate_k_density
+
         k, density = validate_k_density(k, density)
     shape = tuple(input_shape) if input_shape else registry.default_input(model)[0]
     rows = blocks.block_table(build_model(model, shape))

@@ -19,20 +19,25 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 FLAGS = flags.FLAGS
+#: Modules whose flags stay out of a script's key flags: ``--help`` omits them, ``--helpfull``
+#: lists them under the module, and the command line takes them as usual.
+UNLISTED_MODULES = ("launch.testing_flags",)
 
 
 def own_flags(define: Callable[[], Any], flag_values: flags.FlagValues = FLAGS
               ) -> list[str]:
-    """Calls ``define`` and makes every flag it defines a key flag of the running script.
+    """Calls ``define`` and makes the flags it defines key flags of the running script
+    (all but those a module of :data:`UNLISTED_MODULES` defined).
 
     Returns:
-        The names of the flags ``define`` defined, sorted.
+        The names of the flags ``define`` defined, sorted (the unlisted ones included).
     """
     before = set(flag_values)
     define()
     names = sorted(set(flag_values) - before)
     for name in names:
-        flag_values.register_key_flag_for_module(sys.argv[0], flag_values[name])
+        if flag_values.find_module_defining_flag(name) not in UNLISTED_MODULES:
+            flag_values.register_key_flag_for_module(sys.argv[0], flag_values[name])
     return names
 
 

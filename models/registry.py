@@ -8,26 +8,38 @@ models take ``(input_shape, num_classes)`` and output logits.  The sequence mode
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import keras
+if TYPE_CHECKING:
+    import keras
 
-from models.applications import resnet50, resnet101, vgg16
-from models.cnn import cnn_bn, cnn_small
-from models.nmt import gru_nmt
-from models.resnet import resnet20
-from models.vgg import vgg_fc
+
+def _builder(module: str, function: str) -> Callable[..., keras.Model]:
+    """``models.<module>.<function>``, imported at its first call.
+
+    The registry itself imports no Keras (nor TensorFlow), so the launch scripts' flags
+    (``--model``'s choices) and ``--help`` load in well under a second.
+    """
+
+    def build(*args: Any, **kwargs: Any) -> keras.Model:
+        return getattr(importlib.import_module(f"models.{module}"), function)(*args, **kwargs)
+
+    build.__name__ = build.__qualname__ = function
+    build.__doc__ = f"Builds :func:`models.{module}.{function}` (imported at the call)."
+    return build
+
 
 MODELS: dict[str, Callable[..., keras.Model]] = {
-    "resnet20": resnet20,
-    "vgg_fc": vgg_fc,
-    "cnn_small": cnn_small,
-    "gru_nmt": gru_nmt,
-    "cnn_bn": cnn_bn,
-    "resnet50": resnet50,
-    "resnet101": resnet101,
-    "vgg16": vgg16,
+    "resnet20": _builder("resnet", "resnet20"),
+    "vgg_fc": _builder("vgg", "vgg_fc"),
+    "cnn_small": _builder("cnn", "cnn_small"),
+    "gru_nmt": _builder("nmt", "gru_nmt"),
+    "cnn_bn": _builder("cnn", "cnn_bn"),
+    "resnet50": _builder("applications", "resnet50"),
+    "resnet101": _builder("applications", "resnet101"),
+    "vgg16": _builder("applications", "vgg16"),
 }
 SEQUENCE_MODELS = frozenset({"gru_nmt"})
 #: Models that train on the launch data sets (28x28 Fashion-MNIST, 8x8 digits, ...).

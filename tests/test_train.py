@@ -75,6 +75,42 @@ def test_helpfull_documents_every_flag():
         assert name in out.stdout, name
 
 
+#: Runs ``python -m launch.train ARGS`` in-process and prints, at exit, whether TensorFlow or
+#: Keras got imported.
+_HELP_PROBE = ("import atexit, runpy, sys\n"
+               "atexit.register(lambda: print('IMPORTED', 'tensorflow' in sys.modules, "
+               "'keras' in sys.modules))\n"
+               "sys.argv = ['train', *sys.argv[1:]]\n"
+               "runpy.run_module('launch.train', run_name='__main__')\n")
+
+
+def _help_probe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _HELP_PROBE, *args], capture_output=True,
+                          text=True, cwd=ROOT, env=dict(os.environ, **ENV), timeout=60)
+
+
+def test_help_and_flag_errors_import_no_tensorflow():
+    """``--help`` and a flag error answer at once: nothing imports TensorFlow or Keras
+    before the flags are parsed."""
+    out = _help_probe("--help")  # absl's --help exits with status 1
+    assert "IMPORTED False False" in out.stdout, out.stderr
+    for name in ("--model", "--dataset", "--compression", "--density", "--epochs"):
+        assert name in out.stdout, name
+    bad = _help_probe("--k=0")
+    assert bad.returncode != 0 and "--k" in bad.stderr
+    assert "IMPORTED False False" in bad.stdout
+
+
+def test_help_leaves_out_the_testing_flags_helpfull_lists_them():
+    short = _help_probe("--help").stdout
+    full = _help_probe("--helpfull").stdout
+    for name in ("--fail_at_step", "--fail_worker", "--dump_restored"):
+        assert name not in short, name
+        assert name in full, name
+    fv = _flag_values("--fail_at_step=3", "--fail_worker=0", "--dump_restored=/tmp/x")
+    assert (fv.fail_at_step, fv.fail_worker, fv.dump_restored) == (3, 0, "/tmp/x")
+
+
 def test_optimizer_flags_follow_the_library_defaults():
     import keras
 
