@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from launch import data
+from launch.script import UserError
 
 
 @dataclasses.dataclass
@@ -30,9 +31,42 @@ class Arrays:
     num_classes: int
 
 
-def _tfds_arrays(name: str, data_dir: str | None) -> tuple[tuple, tuple]:
-    import tensorflow_datasets as tfds
+class DatasetUnavailableError(UserError, ValueError):
+    """The ``--dataset`` asked for is not on this machine (the scripts never download).
 
+    The message names the flags to change; a launch script prints it alone, without a
+    traceback (:class:`launch.script.UserError`).
+    """
+
+
+def _tfds_arrays(name: str, data_dir: str | None) -> tuple[tuple, tuple]:
+    """The train and test splits of TFDS data set ``name``, already prepared in ``data_dir``.
+
+    Raises:
+      DatasetUnavailableError: TFDS is not installed, knows no such data set, or has not
+        prepared it in ``data_dir`` (TFDS's default directory when ``None``).
+    """
+    flag = f"--dataset=tfds:{name}"
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as err:
+        raise DatasetUnavailableError(
+            f"{flag} needs the tensorflow-datasets package (pip install "
+            f"'tf_blocksparse[launch]'), or choose another --dataset") from err
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.DatasetNotFoundError as err:
+        raise DatasetUnavailableError(
+            f"{flag}: TFDS has no data set {name!r} ({str(err).splitlines()[0]})") from err
+    if not builder.is_prepared():
+        where = f"--tfds_data_dir={data_dir}" if data_dir else \
+            "TFDS's default directory (no --tfds_data_dir given)"
+        raise DatasetUnavailableError(
+            f"{flag}: the data set is not in {where} (looked for {builder.data_dir}).  "
+            f"The launch scripts never download: download and prepare it once on a machine "
+            f"with network access, e.g. `python -c \"import tensorflow_datasets as tfds; "
+            f"tfds.builder('{name}', data_dir='DIR').download_and_prepare()\"`, then pass "
+            f"--tfds_data_dir=DIR (or use --dataset=digits, always offline)")
     splits = tfds.load(name, split=["train", "test"], as_supervised=True, data_dir=data_dir,
                        download=False, batch_size=-1)
     out = []
@@ -48,6 +82,8 @@ def load_arrays(dataset: str, model: str, data_dir: str | None = None,
     """Loads ``dataset`` as arrays (offline), optionally cut to the first samples.
 
     Raises:
+      DatasetUnavailableError: ``dataset`` is not on this machine (Fashion-MNIST's files
+        missing from ``data_dir``, a TFDS data set not prepared in ``tfds_data_dir``).
       ValueError: Unknown ``dataset`` or a sequence model with an image data set.
     """
     arrays = _load(dataset, model, data_dir, tfds_data_dir, synthetic_shape, train_samples, seed)
@@ -80,7 +116,12 @@ def _load(dataset: str, model: str, data_dir: str | None, tfds_data_dir: str | N
     if dataset.startswith("tfds:"):
         train, test = _tfds_arrays(dataset[5:], tfds_data_dir)
     elif dataset == "fashion_mnist":
-        train, test = data.load_fashion_mnist(data_dir or "/usr/share/datasets/fashion-mnist")
+        data_dir = data_dir or data.DEFAULT_FASHION_MNIST_DIR
+        try:
+            train, test = data.load_fashion_mnist(data_dir)
+        except FileNotFoundError as err:
+            raise DatasetUnavailableError(
+                f"--dataset=fashion_mnist --data_dir={data_dir}: {err}") from err
     elif dataset == "digits":
         train, test = data.load_digits()
     else:

@@ -5,7 +5,9 @@ makes each of them a key flag of the script (so ``python -m launch.X --help`` li
 also those defined in a shared module such as :mod:`launch.flags`) and runs ``main`` under
 ``absl.app`` with Python logging at WARNING: absl would otherwise lower it to INFO after
 parsing the flags, and TensorFlow's INFO lines (``Collective all_reduce tensors: ...``)
-would flood the output.  ``--verbosity=0`` (or ``-v 0``) asks for them back.
+would flood the output.  ``--verbosity=0`` (or ``-v 0``) asks for them back.  A
+:class:`UserError` out of ``main`` (a data set not on this machine, ...) ends the script
+with its message alone, no traceback, and exit status 1.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 FLAGS = flags.FLAGS
+
+
+class UserError(Exception):
+    """What the command line asks for cannot be done here; the message says which flag to
+    change.  :func:`run` prints ``FATAL <message>`` to stderr and exits with status 1."""
+
+
 #: Modules whose flags stay out of a script's key flags: ``--help`` omits them, ``--helpfull``
 #: lists them under the module, and the command line takes them as usual.
 UNLISTED_MODULES = ("launch.testing_flags",)
@@ -60,6 +69,10 @@ def run(main: Callable[[list[str]], Any], *define: Callable[[], Any]) -> None:
 
     def quiet_main(argv: Sequence[str]) -> Any:
         quiet_logging()
-        return main(list(argv))
+        try:
+            return main(list(argv))
+        except UserError as err:
+            print(f"FATAL {err}", file=sys.stderr, flush=True)
+            return 1
 
     app.run(quiet_main)

@@ -178,3 +178,26 @@ def test_load_fashion_mnist_debian_files() -> None:
     assert x_train.dtype == np.float32 and y_train.dtype == np.int32
     assert x_train.min() >= 0.0 and x_train.max() <= 1.0
     assert set(np.unique(y_train)) == set(range(10)) == set(np.unique(y_test))
+
+
+def test_tfds_data_set_not_downloaded_names_the_flags(tmp_path: Path):
+    """Offline, a TFDS data set missing from --tfds_data_dir is a clear error, not TFDS's
+    own assertion; nothing is written there."""
+    pytest.importorskip("tensorflow_datasets")
+    from launch import inputs
+
+    with pytest.raises(inputs.DatasetUnavailableError,
+                       match=r"--dataset=tfds:mnist.*--tfds_data_dir=.*download") as err:
+        inputs.load_arrays("tfds:mnist", "cnn_small", tfds_data_dir=str(tmp_path))
+    assert isinstance(err.value, ValueError)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(inputs.DatasetUnavailableError, match="no data set 'no_such_set'"):
+        inputs.load_arrays("tfds:no_such_set", "cnn_small", tfds_data_dir=str(tmp_path))
+
+
+def test_missing_fashion_mnist_names_the_flags(tmp_path: Path):
+    from launch import inputs
+
+    with pytest.raises(inputs.DatasetUnavailableError,
+                       match=r"--dataset=fashion_mnist --data_dir=.*digits"):
+        inputs.load_arrays("fashion_mnist", "cnn_small", data_dir=str(tmp_path))

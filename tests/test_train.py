@@ -111,6 +111,20 @@ def test_help_leaves_out_the_testing_flags_helpfull_lists_them():
     assert (fv.fail_at_step, fv.fail_worker, fv.dump_restored) == (3, 0, "/tmp/x")
 
 
+def test_tfds_data_set_not_downloaded_ends_in_one_clear_line(tmp_path):
+    """``--dataset=tfds:NAME`` offline with an empty ``--tfds_data_dir``: one ``FATAL`` line
+    naming both flags and the download, no traceback, exit status 1."""
+    pytest.importorskip("tensorflow_datasets")
+    out = subprocess.run([sys.executable, "-m", "launch.train", "--dataset=tfds:mnist",
+                          f"--tfds_data_dir={tmp_path}", "--epochs=1"], capture_output=True,
+                         text=True, cwd=ROOT, env=dict(os.environ, **ENV), timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    fatal = [line for line in out.stderr.splitlines() if line.startswith("FATAL")]
+    assert len(fatal) == 1 and "--dataset=tfds:mnist" in fatal[0], out.stderr
+    assert f"--tfds_data_dir={tmp_path}" in fatal[0] and "download" in fatal[0]
+
+
 def test_optimizer_flags_follow_the_library_defaults():
     import keras
 
