@@ -105,6 +105,24 @@ def test_bare_import_then_keras_loads_a_saved_optimizer():
         assert proc.returncode == 0, (first, proc.stderr[-2000:])
 
 
+@pytest.mark.parametrize("first", [
+    "import tf_blocksparse as tfbs; tfbs.BlockSparseOptimizer",
+    "import tf_blocksparse.keras.momentum",
+], ids=["optimizer_attribute", "keras_submodule"])
+def test_keras_imported_by_the_package_registers_without_warning(first):
+    """A tf_blocksparse module that imports Keras itself registers the optimizer once its
+    own import is done: no circular-import warning, and Keras finds the class."""
+    check = ("import keras, sys; "
+             "o = keras.saving.get_registered_object('tf_blocksparse>BlockSparseOptimizer'); "
+             "assert o is sys.modules['tf_blocksparse.keras.optimizer'].BlockSparseOptimizer")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", f"{first}; {check}"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "could not register" not in proc.stderr and "circular" not in proc.stderr, \
+        proc.stderr[-2000:]
+
+
 def _project_names(tree: ast.AST) -> set[str]:
     """Names a file binds to the repository's own modules (their private names are the
     project's business, not a TensorFlow / Keras API)."""

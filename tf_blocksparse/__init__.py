@@ -11,7 +11,8 @@ Importing the package imports no TensorFlow: the public names below are loaded o
 use, so ``import tf_blocksparse.planning`` stays light.  Keras must still find
 ``BlockSparseOptimizer`` when it loads a ``.keras`` file after ``import tf_blocksparse``:
 the optimizer registers itself with Keras as soon as Keras is imported (at once if it
-already is).
+already is), or, when a tf_blocksparse module imports Keras itself, as soon as that module
+is imported.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import threading
 from typing import Any
 
 from tf_blocksparse import planning as planning  # TensorFlow-free, imported eagerly
@@ -82,30 +84,71 @@ def _register_with_keras() -> None:
         importlib.import_module(module)
 
 
+def _warn_unregistered(err: Exception) -> None:
+    import warnings
+
+    warnings.warn(f"tf_blocksparse could not register its Keras classes: {err}", stacklevel=3)
+
+
 class _RegisterAfterKeras(importlib.abc.MetaPathFinder):
-    """Runs :func:`_register_with_keras` right after ``keras`` itself finished importing."""
+    """Runs :func:`_register_with_keras` once ``keras`` is imported and no tf_blocksparse
+    module is being imported.
+
+    After a user's ``import keras`` that is right away.  When a tf_blocksparse module imports
+    Keras itself (``tfbs.BlockSparseOptimizer`` touched first, or any module of
+    :mod:`tf_blocksparse.keras`), registering at once would import the optimizer module in
+    the middle of its own imports (a circular import): the finder counts the tf_blocksparse
+    modules executing and registers when the outermost of them is done.
+    """
+
+    def __init__(self) -> None:
+        self._executing = 0  # tf_blocksparse modules whose code is running
+        self._keras_imported = False
+        self._lock = threading.Lock()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "keras":
+        if fullname != "keras" and not fullname.startswith("tf_blocksparse."):
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("keras")
-        if spec is None or spec.loader is None:
+        spec = self._others_spec(fullname, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
+        is_keras = fullname == "keras"
 
         def exec_then_register(module: Any) -> None:
-            exec_module(module)
+            with self._lock:
+                self._executing += not is_keras
             try:
-                _register_with_keras()
-            except Exception as err:  # never break `import keras` for planning-only users
-                import warnings
-
-                warnings.warn(f"tf_blocksparse could not register its Keras classes: {err}",
-                              stacklevel=2)
+                exec_module(module)
+            except BaseException:
+                with self._lock:
+                    self._executing -= not is_keras
+                raise
+            with self._lock:
+                self._executing -= not is_keras
+                self._keras_imported |= is_keras
+                ready = self._keras_imported and not self._executing and self in sys.meta_path
+                if ready:
+                    sys.meta_path.remove(self)
+            if ready:
+                try:
+                    _register_with_keras()
+                except Exception as err:  # never break `import keras` for planning-only users
+                    _warn_unregistered(err)
 
         spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
         return spec
+
+    def _others_spec(self, fullname: str, path: Any, target: Any) -> Any:
+        """The spec the finders after this one give ``fullname``."""
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
 
 
 if "keras" in sys.modules:
