@@ -78,6 +78,22 @@ def epochs_to_target(curve: list[float], target: float) -> int | None:
     return None
 
 
+#: The automatic exchange's curve at a rate is that of the mode it chose there: all groups
+#: dense -> dense's, all sparse -> the same compression always applied.
+AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_default"}}
+
+
+def curves_of(method: str, record: dict) -> str | None:
+    """Whose converged curves stand for ``method`` on the timing run ``record``: its own, or
+    for the automatic exchange those of the one mode it chose (``None``: modes mixed)."""
+    if method not in AUTO_CURVES:
+        return method
+    modes = set(record.get("auto_modes") or [])
+    if len(modes) != 1:
+        return None
+    return AUTO_CURVES[method].get(modes.pop())
+
+
 def epoch_parts(record: dict, full_steps: int) -> dict:
     """A timing run's per-epoch costs, scaled to an epoch of ``full_steps`` steps.
 
@@ -121,7 +137,7 @@ def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
     """
     records, summary, targets = [], [], {}
     for model in models:
-        if any((model, m) not in curves for m in methods):
+        if (model, "dense") not in curves:
             print(f"{model}: no converged curves of every method yet; not composed")
             continue
         dense = curves[(model, "dense")]
@@ -132,7 +148,11 @@ def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
             for method in methods:
                 parts = timings[(model, rate, method)]
                 rows = []
-                for seed, curve in sorted(curves[(model, method)].items()):
+                source = parts.get("curves_of", method)
+                if (model, source) not in curves:
+                    print(f"{model} {method} @ {rate:g}: no curves of {source}; not composed")
+                    continue
+                for seed, curve in sorted(curves[(model, source)].items()):
                     n = epochs_to_target(curve, target)
                     rec = {"model": model, "bandwidth_mbit": rate, "method": method,
                            "seed": seed, "target": round(target, 4), "epochs_to_target": n,
@@ -155,7 +175,7 @@ def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
                 records += rows
                 summary.append({
                     "model": model, "bandwidth_mbit": rate, "method": method,
-                    "seeds": [r["seed"] for r in rows],
+                    "curves_of": source, "seeds": [r["seed"] for r in rows],
                     **{key: experiments.spread([r[key] for r in rows], 3) for key in
                        ("wall_s", "train_s", "wall_speedup_vs_dense", "speedup_vs_dense",
                         "epochs_to_target")},
@@ -217,6 +237,8 @@ def main(argv: list[str]) -> None:
                     f.num_workers, f.density, bandwidth_mbit=rate, timeout_s=3600)
                 full_steps = full_steps or _full_steps(model, budget, f.num_workers)
                 timings[key] = epoch_parts(rec, full_steps)
+                timings[key]["curves_of"] = curves_of(method, rec)
+                timings[key]["auto_modes"] = rec.get("auto_modes")
                 runs.append({"model": model, "bandwidth_mbit": rate, "method": method,
                              "parts": timings[key], "full_steps": full_steps,
                              "record": experiments.slim(rec) | {
@@ -266,7 +288,8 @@ def _check(entry: str, curves: dict, timings: dict, targets: dict, budget: dict,
                            or rec["history"].get("val_token_accuracy", []), target)
     parts = timings[(model, rate_f, method)]
     measured = None if own is None else rec["epoch_wall_s"][own - 1]
-    from_curve = epochs_to_target(curves[(model, method)][seed_i], target)
+    from_curve = epochs_to_target(curves[(model, parts.get("curves_of", method))][seed_i],
+                                  target)
     out = {"run": entry, "target": target, "measured_wall_s": measured,
            "epochs_to_target": own, "curve_epochs_to_target": from_curve,
            "composed_wall_s_own_epochs": None if own is None else

@@ -41,3 +41,11 @@ def test_compose_gives_per_seed_speedups_against_that_seeds_dense():
     assert by[("block", 1)]["wall_s"] is None and by[("block", 1)]["wall_speedup_vs_dense"] is None
     row = next(r for r in summary if r["method"] == "block")
     assert row["reached"] == 1 and row["wall_speedup_vs_dense"]["n"] == 1
+
+
+def test_the_automatic_exchange_takes_the_curves_of_the_mode_it_chose():
+    assert bw.curves_of("block_default", {}) == "block_default"
+    assert bw.curves_of("block_auto_default", {"auto_modes": ["dense"]}) == "dense"
+    assert bw.curves_of("block_auto_default", {"auto_modes": ["allgather"] * 2}) == \
+        "block_default"
+    assert bw.curves_of("block_auto_default", {"auto_modes": ["dense", "allgather"]}) is None
