@@ -20,7 +20,9 @@ the launcher says so and exits 1 before starting anything.
 (one command line; ``--num_workers`` defaults to 2, ``--timeout_s=0`` means no timeout).
 
 Everything after ``--`` is the worker command, passed through untouched.  The library
-behind it is :mod:`launch.cluster.local` (``run_local_cluster``).
+behind it is :mod:`launch.cluster.local` (``run_local_cluster``), over the package's own
+launcher :mod:`tf_blocksparse.launcher`: without the network flags this command does what
+the installed ``tfbs-run`` does.
 """
 
 
@@ -55,7 +57,7 @@ def define_flags() -> None:
     """
     flags.DEFINE_integer("num_workers", 2, "Number of workers to start (>= 1).")
     flags.DEFINE_integer("base_port", 0,
-                         "0: pick free ports with portpicker; else first of N consecutive ports.")
+                         "0: free ports picked by the system; else first of N consecutive ports.")
     flags.DEFINE_float("grace_s", 10.0, "Seconds between SIGTERM and SIGKILL on teardown.")
     flags.DEFINE_float("timeout_s", 0.0, "If > 0, kill everything after this long (exit 124).")
     flags.DEFINE_bool("keep_gpus", False, "Do not set CUDA_VISIBLE_DEVICES=\"\" for workers.")

@@ -1,5 +1,5 @@
-"""launch/cluster/processes.py and the working directory of run_local_cluster (loopback only:
-tiny ``python -c`` workers, no TensorFlow, no namespaces)."""
+"""tf_blocksparse/launcher/processes.py and the working directory of run_local_cluster
+(loopback only: tiny ``python -c`` workers, no TensorFlow, no namespaces)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import signal
 import sys
 import time
 
-from launch.cluster import processes
 from launch.cluster.local import run_local_cluster
+from tf_blocksparse.launcher import processes
 
 
 def test_exit_descriptions_and_codes():

@@ -6,7 +6,9 @@ Builds a wheel from a copy of the repository (offline: ``pip wheel --no-deps
 
 from __future__ import annotations
 
+import configparser
 import email.parser
+import os
 import re
 import shutil
 import subprocess
@@ -18,8 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What the scripts, benchmarks and tests need; the library imports none of them.
-SCRIPT_ONLY = ("scikit-learn", "matplotlib", "portpicker", "tensorflow-datasets", "tensorboard",
-               "absl-py")
+SCRIPT_ONLY = ("scikit-learn", "matplotlib", "tensorflow-datasets", "tensorboard", "absl-py")
 LIBRARY_IMPORTS = {"tensorflow", "keras", "numpy"}
 
 
@@ -97,3 +98,35 @@ def test_library_imports_match_its_requirements():
         found |= {m for m in pattern.findall(code) if not m.startswith("_")}
     third_party = found - stdlib - {"tf_blocksparse"}
     assert third_party <= LIBRARY_IMPORTS, sorted(third_party)
+
+
+def test_wheel_installs_the_tfbs_run_launcher(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(zf.read(name).decode())
+    assert dict(entry_points["console_scripts"]) == {
+        "tfbs-run": "tf_blocksparse.launcher.cli:main"}
+
+
+def test_installed_tfbs_run_answers_help_and_usage_errors(wheel, tmp_path):
+    """The console script pip writes runs from the installed package (not the checkout)."""
+    target = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+         "--target", str(target), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    script = target / "bin" / "tfbs-run"
+    assert script.is_file()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "tfbs-run" in out.stdout and "--num_workers" in out.stdout
+    bad = subprocess.run([str(script), "--num_workers=2"], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=60)
+    assert bad.returncode == 2 and "worker command" in bad.stderr
+    where = subprocess.run(
+        [sys.executable, "-c", "import tf_blocksparse.launcher as m; print(m.__file__)"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert where.stdout.startswith(str(target)), where.stdout + where.stderr

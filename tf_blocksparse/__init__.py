@@ -5,7 +5,8 @@ one options object), :mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.fee
 :mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.collectives`,
 :mod:`~tf_blocksparse.exchange` (the one exchange), :mod:`~tf_blocksparse.clipping`, and the
 TensorFlow-free planners of :mod:`tf_blocksparse.planning`.  Adapters:
-:mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.
+:mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.  The local multi-worker
+launcher :mod:`tf_blocksparse.launcher` is the command ``tfbs-run``.
 
 Importing the package imports no TensorFlow: the public names below are loaded on first
 use, so ``import tf_blocksparse.planning`` stays light.  Keras must still find

@@ -1,8 +1,8 @@
 """Local cluster tooling: worker processes, shaped networks, resource caps, TF servers.
 
 - :mod:`launch.cluster.local`: N copies of a command as a local multi-worker cluster
-  (``TF_CONFIG`` per worker, streamed output, tear-down on failure);
-- :mod:`launch.cluster.processes`: the worker processes under it;
+  (``TF_CONFIG`` per worker, streamed output, tear-down on failure: the package's
+  :mod:`tf_blocksparse.launcher`, ``tfbs-run``), optionally on a shaped network;
 - :mod:`launch.cluster.netem`, :mod:`launch.cluster.namespaces`, :mod:`launch.cluster.probe`:
   every worker in its own network namespace with ``tc``-shaped links (root only), and
   link measurements;

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from launch.cluster.processes import pid_alive
+from tf_blocksparse.launcher.processes import pid_alive
 
 #: Where the cgroup v1 hierarchies are mounted (``memory``, ``cpu`` below it).
 CGROUP_ROOT = "/sys/fs/cgroup"

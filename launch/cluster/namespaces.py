@@ -21,7 +21,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from launch.cluster.processes import pid_alive
+from tf_blocksparse.launcher.processes import pid_alive
 
 #: Default namespace-name prefix root; a cluster's prefix is ``tfbs<pid>-<n>-``.
 PREFIX_ROOT = "tfbs"

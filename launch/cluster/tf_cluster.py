@@ -37,10 +37,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from launch.cluster import local, processes
+from launch.cluster import local
 from launch.cluster.cgroups import ResourceCap, require_controller
 from launch.cluster.netem import NetworkCluster, require_privileges
 from tf_blocksparse.distribute.remote import CLUSTER_ENV, READY, TASK_ENV
+from tf_blocksparse.launcher import processes
 from tf_blocksparse.planning import Topology
 
 #: Port every process listens on inside its own namespace (the addresses differ).

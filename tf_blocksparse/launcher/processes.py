@@ -3,8 +3,9 @@
 A :class:`WorkerProcess` runs one command in its own process group and streams its output
 line by line (prefixed ``[<label>] ``) through an :class:`Emitter`, keeping the last lines
 for a failure message; :func:`terminate` stops a set of them (SIGTERM to each group, SIGKILL
-after a grace period).  Used by :func:`launch.cluster.local.run_local_cluster` and
-:class:`launch.cluster.tf_cluster.ServerCluster`.
+after a grace period).  Used by :func:`tf_blocksparse.launcher.run_local_cluster` (``tfbs-run``)
+and, in the repository, by ``launch.cluster`` (shaped networks, TF server clusters).
+Standard library only.
 """
 
 from __future__ import annotations
