@@ -298,8 +298,13 @@ def _check(entry: str, curves: dict, timings: dict, targets: dict, budget: dict,
            round(parts["one_time_s"] + from_curve * parts["epoch_wall_s"], 2),
            "flags": rec["flags"], "provenance": rec.get("provenance"),
            "history": rec["history"].get("val_accuracy"), "epoch_wall_s": rec["epoch_wall_s"]}
-    if measured:
-        out["composed_over_measured"] = round(out["composed_wall_s_own_epochs"] / measured, 3)
+    trained = len(rec["epoch_wall_s"])  # also when the target was not reached
+    out["epochs_trained"] = trained
+    out["measured_wall_s_at_end"] = rec["epoch_wall_s"][-1]
+    out["composed_wall_s_at_end"] = round(parts["one_time_s"] + trained * parts["epoch_wall_s"],
+                                          2)
+    out["composed_over_measured"] = round(out["composed_wall_s_at_end"] /
+                                          out["measured_wall_s_at_end"], 3)
     return out
 
 
