@@ -41,6 +41,16 @@ RULE = (f"converged when dense's mean test accuracy (over seeds) at the last epo
         f"{TARGET_POINTS * 100:.1f} points")
 
 
+#: Budget entries derived from the runs (per model), not set by the flags.
+_DERIVED = ("epochs", "rule", "converged")
+
+
+def same_budget(old: dict, common: dict) -> bool:
+    """Whether a results file's budget was set by the same flags as ``common`` (its epochs,
+    rule and verdicts, written from the runs, are compared per model elsewhere)."""
+    return {k: v for k, v in old.items() if k not in _DERIVED} == common
+
+
 def converged(curve_mean: list[float], tail: float = CONVERGED_TAIL,
               gain: float = CONVERGED_GAIN) -> dict:
     """Whether a mean accuracy curve (one value per epoch) has converged by :data:`RULE`.
@@ -228,7 +238,7 @@ def main(argv: list[str]) -> None:
     if f.resume and os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)
-        if {k: v for k, v in old.get("budget", {}).items() if k != "epochs"} == common:
+        if same_budget(old.get("budget", {}), common):
             epochs_old = old["budget"]["epochs"]
             for model, n in epochs_old.items():  # a model keeps its runs at the same budget
                 if model not in f.models or overrides.get(model, f.epochs) == n:

@@ -124,6 +124,21 @@ def test_convergence_summary():
     assert row["within_0_3_points"] and row["gap_to_dense_points"] == 0.0
 
 
+def test_a_written_budget_is_the_same_budget():
+    """The rule and verdicts a run writes into the budget do not make --resume drop it."""
+    common = {"lr": 0.05, "lr_schedule": "cosine"}
+    written = {**common, "epochs": {"cnn_small": 20}, "rule": bench_convergence.RULE,
+               "converged": {"cnn_small": {"converged": True}}}
+    assert bench_convergence.same_budget(written, common)
+    assert not bench_convergence.same_budget({**written, "lr": 0.1}, common)
+
+
+def test_converged_rule():
+    assert bench_convergence.converged([0.5, 0.8, 0.9, 0.9005])["converged"]
+    late = bench_convergence.converged([0.5, 0.8, 0.85, 0.9])
+    assert not late["converged"] and late["tail_gain_points"] == 5.0 and late["from_epoch"] == 3
+
+
 def test_method_flags_reject_unknown():
     assert "--density=0.01" in experiments.method_flags("topk", 0.01)
     with pytest.raises(ValueError, match="`method`"):
