@@ -215,13 +215,15 @@ def main(argv: list[str]) -> None:
     path = os.path.join(f.out, "time_to_accuracy_wall.json")
     setup = {"num_workers": f.num_workers, "timing_steps": f.timing_steps,
              "timing_epochs": f.timing_epochs, "density": f.density,
-             "convergence_budget": budget}
-    old = {}
+             "convergence_budget": {k: v for k, v in budget.items()
+                                    if k not in ("epochs", "rule", "converged")}}
+    old, old_checks = {}, {}
     if f.resume and os.path.exists(path):
         with open(path) as fh:
             prev = json.load(fh)
         if prev.get("budget", {}).get("setup") == setup:
             old = {(t["model"], t["bandwidth_mbit"], t["method"]): t for t in prev["timings"]}
+            old_checks = {c["run"]: c for c in prev.get("checks", [])}
     timings, runs = {}, []
     for model in f.models:
         full_steps = None
@@ -249,7 +251,9 @@ def main(argv: list[str]) -> None:
                                   **timings[key]}), flush=True)
     records, summary, targets = compose(curves, timings, f.models, rates, f.methods,
                                         f.target_drop)
-    checks = [_check(entry, curves, timings, targets, budget, f) for entry in f.check]
+    checks = [old_checks[entry] if entry in old_checks and
+              old_checks[entry]["target"] == targets.get(entry.split(":")[0])
+              else _check(entry, curves, timings, targets, budget, f) for entry in f.check]
     doc = {"budget": {"setup": setup, "targets": targets,
                       "target_rule": f"dense's converged mean test accuracy (rule: "
                                      f"{budget.get('rule')}) minus {f.target_drop * 100:.1f} "
