@@ -24,7 +24,7 @@ import os
 import statistics
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
 from launch import experiments, runtime, script
 from launch import flags as train_flags
@@ -95,10 +95,7 @@ def measure(method: str, args: list[str], epochs: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if os.geteuid() != 0:
-        raise app.UsageError("shaped links need root (network namespaces and tc)")
+    script.require_root(argv)
     f = FLAGS
     args = [f"--model={f.model}", f"--dataset={f.dataset}", f"--epochs={f.epochs}",
             f"--steps_per_epoch={f.steps_per_epoch}", f"--batch_size={f.batch_size}",

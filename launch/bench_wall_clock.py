@@ -39,7 +39,7 @@ import json
 import os
 import statistics
 
-from absl import app, flags
+from absl import flags
 
 from launch import experiments, runtime, script
 from launch import flags as train_flags
@@ -205,10 +205,7 @@ def _train_args(model: str, budget: dict, epochs: int, steps: int, seed: int) ->
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if os.geteuid() != 0:
-        raise app.UsageError("shaped links need root (network namespaces and tc)")
+    script.require_root(argv)
     f = FLAGS
     curves, budget = load_curves(f.convergence)
     rates = [float(r) for r in f.bandwidths_mbit]

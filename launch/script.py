@@ -76,3 +76,18 @@ def run(main: Callable[[list[str]], Any], *define: Callable[[], Any]) -> None:
             return 1
 
     app.run(quiet_main)
+
+
+def require_root(argv: Sequence[str], what: str = "shaped links") -> None:
+    """A benchmark main's first check: no positional arguments, and root for ``what``
+    (network namespaces and ``tc``).
+
+    Raises:
+      app.UsageError: Positional arguments were given, or the process is not root.
+    """
+    import os
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {list(argv[1:])}")
+    if os.geteuid() != 0:
+        raise app.UsageError(f"{what} need root (network namespaces and tc)")
