@@ -2,9 +2,10 @@
 
     python -m launch.results_tables [--results=benchmarks/results]
 
-Reads ``time_to_accuracy.json``, ``convergence.json`` and ``demo.json`` (written by
-``launch/bench_time_to_accuracy.py``, ``launch/bench_convergence.py`` and ``launch/demo.py``)
-and prints one table each, plus the budget lines; a missing file is reported and skipped.
+Reads the results files of :data:`TABLES` (written by ``launch/bench_time_to_accuracy.py``,
+``launch/bench_convergence.py``, ``launch/bench_wall_clock.py``, ``launch/bench_backup.py``,
+``launch/demo.py`` and the cluster scripts) and prints one table each, plus the budget lines;
+a missing file is reported and skipped.
 The result tables of ``docs/results.md`` sit between ``<!-- table: FILE -->`` and
 ``<!-- /table -->`` markers and must equal these tables (``tests/test_results_files.py``
 checks it; ``--update_readme=docs/results.md`` rewrites them).
@@ -131,15 +132,58 @@ def convergence_table(doc: dict) -> str:
 
 
 def demo_table(doc: dict) -> str:
-    """One row per method of the main job (``demo.json``, from ``launch/demo.py``)."""
-    lines = ["| method | test acc | correct / test images | bytes/step/worker | ratio | wall s |",
-             "|---|---|---|---|---|---|"]
+    """One row per link x method of the main job (``demo.json``, from ``launch/demo.py``)."""
+    lines = ["| link | method | epochs | test acc | correct / test images | bytes/step/worker | "
+             "ratio | wall s |", "|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
+        link = r.get("link", "loopback")
         lines.append(
-            f"| {r['method']} | {r['test_accuracy']:.4f} | "
+            f"| {link if link == 'loopback' else link + ' Mbit/s'} | {r['method']} | "
+            f"{r.get('epochs', doc['epochs'])} | {r['test_accuracy']:.4f} | "
             f"{r['test_correct']:,} / {r['test_examples']:,} | "
             f"{r['payload_bytes_per_step']:,} | {r['compression_ratio']:.1f}x | "
             f"{r['wall_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def converged_table(doc: dict) -> str:
+    """Per model whether dense converged by the file's rule, then one row per model x method
+    (``convergence.json`` of converged runs)."""
+    lines = [convergence_table(doc), "", "| model | dense converged | gain over the last "
+             "quarter (points) | target (dense mean - 0.3 points) |", "|---|---|---|---|"]
+    for model, c in doc["budget"].get("converged", {}).items():
+        dense = next(r["mean"] for r in doc["records"]
+                     if r["model"] == model and r["method"] == "dense")
+        lines.append(f"| {model} | {'yes' if c['converged'] else 'no'} | "
+                     f"{c['tail_gain_points']:+.2f} (epoch {c['from_epoch']} to the last) | "
+                     f"{dense - 0.003:.4f} |")
+    return "\n".join(lines)
+
+
+def wall_clock_table(doc: dict) -> str:
+    """One row per model x link x method (``time_to_accuracy_wall.json``)."""
+    lines = ["| model | link | method | seeds reaching target | epochs to target | "
+             "s/epoch (of it eval, backup) | one-time s | wall s to target | wall speedup | "
+             "training-clock speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["summary"]:
+        lines.append(
+            f"| {r['model']} | {r['bandwidth_mbit']:g} Mbit/s | {r['method']} | "
+            f"{r['reached']}/{len(r['seeds'])} | {_spread(r['epochs_to_target'], '.1f')} | "
+            f"{r['epoch_wall_s']:.1f} ({r['eval_s']:.1f}, {r['backup_s']:.2f}) | "
+            f"{r['one_time_s']:.1f} | {_spread(r['wall_s'], '.0f')} | "
+            f"{_spread(r['wall_speedup_vs_dense'], '.2f', suffix='x')} | "
+            f"{_spread(r['speedup_vs_dense'], '.2f', suffix='x')} |")
+    return "\n".join(lines)
+
+
+def backup_table(doc: dict) -> str:
+    """One row per method of ``launch/bench_backup.py`` (``backup.json``)."""
+    lines = ["| method | backup s per epoch (steady) | vs dense | link bytes per backup per "
+             "worker | bytes/step |", "|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['method']} | {r['backup_s_steady']:.3f} | "
+                     f"{r.get('backup_s_ratio_vs_dense', 1.0):.2f}x | "
+                     f"{r['link_bytes_per_backup']:,} | {r['payload_bytes_per_step']:,} |")
     return "\n".join(lines)
 
 
@@ -179,7 +223,9 @@ def hybrid_cluster_table(doc: dict) -> str:
 #: ``FILE`` or ``FILE#VIEW`` (a second table from the same file) -> table builder.
 TABLES = {"time_to_accuracy.json": time_to_accuracy_table,
           "time_to_accuracy.json#breakdown": step_breakdown_table,
-          "convergence.json": convergence_table, "demo.json": demo_table,
+          "convergence.json": converged_table,
+          "convergence_early.json": convergence_table, "demo.json": demo_table,
+          "time_to_accuracy_wall.json": wall_clock_table, "backup.json": backup_table,
           "pipeline_cluster.json": pipeline_cluster_table,
           "hybrid_cluster.json": hybrid_cluster_table}
 
