@@ -22,7 +22,6 @@ import io
 import json
 import os
 import statistics
-import tempfile
 
 from absl import flags
 
@@ -62,20 +61,11 @@ def link_bytes(output: str) -> list[int]:
 
 
 def _run(method: str, args: list[str], backup: bool) -> tuple[dict, list[int]]:
-    from launch.cluster.local import run_local_cluster
-
     f = FLAGS
-    with tempfile.TemporaryDirectory(prefix="tfbs_backup_") as tmp:
-        out = io.StringIO()
-        cmd = [*experiments.TRAIN, "--strategy=multiworker", "--deterministic",
-               f"--model_dir={tmp}", *experiments.method_flags(method, f.density), *args,
-               "--backup" if backup else "--nobackup"]
-        rc = run_local_cluster(cmd, f.num_workers, bandwidth_mbit=f.bandwidth_mbit,
-                               cwd=experiments.ROOT, stream=out, timeout_s=1800)
-        if rc != 0:
-            raise RuntimeError(f"{method}: cluster exited with {rc}\n{out.getvalue()[-3000:]}")
-        with open(os.path.join(tmp, "metrics.json")) as fh:
-            record = json.load(fh)
+    out = io.StringIO()
+    record = experiments.run_training(
+        method, [*args, "--backup" if backup else "--nobackup"], f.num_workers, f.density,
+        bandwidth_mbit=f.bandwidth_mbit, timeout_s=1800, stream=out)
     return record, link_bytes(out.getvalue())
 
 

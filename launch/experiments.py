@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import TextIO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The worker command: ``launch.train`` as a module, started in :data:`ROOT`.
@@ -96,7 +97,8 @@ def method_flags(method: str, density: float) -> list[str]:
 
 def run_training(method: str, train_flags: Sequence[str], num_workers: int, density: float,
                  bandwidth_mbit: float | None = None, latency_ms: float | None = None,
-                 timeout_s: float = 0.0, log: bool = False) -> dict:
+                 timeout_s: float = 0.0, log: bool = False,
+                 stream: TextIO | None = None) -> dict:
     """Trains once on a local cluster and returns the chief's metrics record.
 
     Args:
@@ -108,6 +110,8 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
         latency_ms: Added one-way delay on the shaped links.
         timeout_s: Kill the cluster after this long (0: no limit).
         log: Stream the workers' output.
+        stream: Where the workers' and the launcher's output goes (e.g. to read the
+            launcher's traffic line); default: nowhere, or stdout with ``log``.
 
     Returns:
         The ``metrics.json`` record plus ``launcher_wall_s``.
@@ -123,11 +127,11 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
         if bandwidth_mbit is not None:
             kwargs.update(bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms or 0.0)
         t0 = time.perf_counter()
-        out = None if log else open(os.devnull, "w")  # noqa: SIM115
+        out = None if log or stream is not None else open(os.devnull, "w")  # noqa: SIM115
         try:
             rc = run_local_cluster(cmd, num_workers=num_workers, timeout_s=timeout_s or None,
                                    log_dir=os.path.join(tmp, "logs"), cwd=ROOT,
-                                   **({} if log else {"stream": out}), **kwargs)
+                                   **({} if log else {"stream": stream or out}), **kwargs)
         finally:
             if out is not None:
                 out.close()

@@ -43,6 +43,12 @@ def _aggregation(variable: Any) -> str:
     return "mean" if "MEAN" in str(agg).upper() else "sum"
 
 
+def _worker_index(path: str) -> int | None:
+    """The worker index in a state file's name (``worker_<i>.npz``, ``.bkp`` or not)."""
+    index = os.path.basename(path)[len("worker_"):].split(".")[0]
+    return int(index) if index.isdigit() else None
+
+
 def worker_path(directory: str, worker_index: int) -> str:
     """The state file of worker ``worker_index`` in ``directory``."""
     return os.path.join(directory, f"worker_{worker_index}.npz")
@@ -104,8 +110,8 @@ def _write(arrays: dict[str, np.ndarray], meta: dict, directory: str, worker_ind
     os.replace(tmp, path)
     if worker_index == 0:  # files of workers a larger cluster had are not this run's
         for stale in glob.glob(os.path.join(directory, "worker_*.npz*")):
-            index = os.path.basename(stale)[len("worker_"):].split(".")[0]
-            if index.isdigit() and int(index) >= num_workers:
+            index = _worker_index(stale)
+            if index is not None and index >= num_workers:
                 os.remove(stale)
 
 
@@ -187,8 +193,7 @@ def _redistribute(variables: Sequence[Any], directory: str, iterations: int,
     files = sorted(glob.glob(os.path.join(directory, "worker_*.npz")))
     saved = []
     for f in files:
-        index = int(os.path.basename(f)[len("worker_"):-len(".npz")])
-        path, meta, arrays = _candidates(directory, index, iterations)
+        path, meta, arrays = _candidates(directory, _worker_index(f), iterations)
         if meta is not None:
             saved.append((path, meta, arrays))
     if not saved or len(saved) != saved[0][1]["num_workers"]:
