@@ -85,7 +85,7 @@ bench: venv data
 # same exchange per replica as 4 workers), dense converged by bench_convergence's rule.
 BENCH = benchmarks/results
 CONVERGE = $(PY) -m launch.bench_convergence --strategy=mirrored --num_workers=4 \
-	--lr_schedule=cosine --methods=dense,block_default --resume --out=$(BENCH)
+	--lr_schedule=cosine --methods=dense,block_default --model_epochs= --resume --out=$(BENCH)
 bench-full: venv data
 	$(PY) -m launch.project_scaling --out=$(BENCH)/scaling.json
 	$(PY) -m launch.demo --out=runs/demo

@@ -42,7 +42,7 @@ RULE = (f"converged when dense's mean test accuracy (over seeds) at the last epo
 
 
 #: Budget entries derived from the runs (per model), not set by the flags.
-_DERIVED = ("epochs", "rule", "converged")
+_DERIVED = ("epochs", "lr_by_model", "rule", "converged")
 
 
 def same_budget(old: dict, common: dict) -> bool:
@@ -91,6 +91,8 @@ def define_flags() -> None:
         m, train_flags.MODELS), f"--models must be a non-empty list of {train_flags.MODELS}")
     flags.DEFINE_list("model_epochs", ["resnet20=5"], "Per-model MODEL=EPOCHS overriding "
                       "--epochs.")
+    flags.DEFINE_list("model_lr", ["vgg_fc=0.01"], "Per-model MODEL=LR overriding --lr "
+                      "(vgg_fc's 17M-weight dense layers diverge at 0.05).")
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full pass).")
     flags.DEFINE_integer("batch_size", 128, "Global batch size.")
     flags.DEFINE_integer("train_samples", 0, "Training subset (0: all 60,000).")
@@ -116,6 +118,22 @@ def model_epochs(entries: list[str]) -> dict[str, int]:
             raise app.UsageError(f"--model_epochs entries must be MODEL=EPOCHS with EPOCHS >= "
                                  f"1, got {entry!r}")
         out[name] = int(value)
+    return out
+
+
+def model_lr(entries: list[str]) -> dict[str, float]:
+    """Parses ``--model_lr`` entries ``MODEL=LR`` (LR > 0)."""
+    out = {}
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        try:
+            lr = float(value) if sep and name else 0.0
+        except ValueError:
+            lr = 0.0
+        if lr <= 0:
+            raise app.UsageError(f"--model_lr entries must be MODEL=LR with LR > 0, got "
+                                 f"{entry!r}")
+        out[name] = lr
     return out
 
 
@@ -225,6 +243,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = FLAGS
     overrides = model_epochs(f.model_epochs)
+    lrs = model_lr(f.model_lr)
     seeds = [int(s) for s in f.seeds]
     common = {"num_workers": f.num_workers, "strategy": f.strategy,
               "steps_per_epoch": f.steps_per_epoch or "full pass",
@@ -233,16 +252,19 @@ def main(argv: list[str]) -> None:
               "lr_schedule": f.lr_schedule, "warmup_epochs": f.warmup_epochs,
               "deterministic": True, "dataset": f.dataset}
     path = os.path.join(f.out, "convergence.json")
-    doc = {"budget": {**common, "epochs": {}}, "records": [], "runs": [],
+    doc = {"budget": {**common, "epochs": {}, "lr_by_model": {}}, "records": [], "runs": [],
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}}
     if f.resume and os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)
         if same_budget(old.get("budget", {}), common):
             epochs_old = old["budget"]["epochs"]
+            lr_old = old["budget"].get("lr_by_model", {})
             for model, n in epochs_old.items():  # a model keeps its runs at the same budget
-                if model not in f.models or overrides.get(model, f.epochs) == n:
+                same_lr = lr_old.get(model, f.lr) == lrs.get(model, f.lr)
+                if model not in f.models or (overrides.get(model, f.epochs) == n and same_lr):
                     doc["budget"]["epochs"][model] = n
+                    doc["budget"]["lr_by_model"][model] = lr_old.get(model, f.lr)
             doc["runs"] = [r for r in old.get("runs", []) if r["model"] in doc["budget"]["epochs"]]
         else:
             print(f"{path}: another budget, nothing kept", flush=True)
@@ -260,9 +282,10 @@ def main(argv: list[str]) -> None:
     for model in f.models:
         epochs = overrides.get(model, f.epochs)
         doc["budget"]["epochs"][model] = epochs
+        doc["budget"]["lr_by_model"][model] = lr = lrs.get(model, f.lr)
         args = [f"--dataset={f.dataset}", f"--epochs={epochs}", f"--batch_size={f.batch_size}",
                 f"--train_samples={f.train_samples}", f"--test_samples={f.test_samples}",
-                f"--lr={f.lr}", "--momentum=0.9", f"--steps_per_epoch={f.steps_per_epoch}",
+                f"--lr={lr}", "--momentum=0.9", f"--steps_per_epoch={f.steps_per_epoch}",
                 f"--lr_schedule={f.lr_schedule}", f"--warmup_epochs={f.warmup_epochs}",
                 f"--model={model}"]
         for seed in seeds:  # seed-major: an interrupted bench has every method's first seeds
