@@ -286,13 +286,17 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         exchange_s = (total - self._window_start[0]) / max(1.0, steps - self._window_start[1])
         step_s = float(np.median(self._walls))
         compute_s = max(0.0, step_s - exchange_s)
+        every = opt.accumulation_steps
+        if every > 1:  # per exchange: `every` micro-steps, at most half of which exchange
+            compute_s = every * float(np.percentile(self._walls, 25))
         chooser = opt.exchange_chooser
         before = list(chooser.modes)
         first = not self.decisions  # the build-time choice knew no compute time: provisional
         switch_s = max(0.0, (self._first_s or 0.0) - step_s)  # a re-trace costs about that
         params = self.params or {}
         epochs, per_epoch = params.get("epochs"), params.get("steps")
-        steps_left = max(0, epochs * per_epoch - self._steps) if epochs and per_epoch else None
+        steps_left = (max(0, epochs * per_epoch - self._steps) // every
+                      if epochs and per_epoch else None)  # exchanges left
         decision = chooser.decide(compute_s, remeasure=not first, hysteresis=not first,
                                   switch_s=switch_s, steps_left=steps_left)
         if decision is not None:

@@ -122,12 +122,14 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
                  compression: CompressionOptions | None = None, *,
                  momentum_correction: MomentumCorrection | float | str | None = AUTO,
                  clipping: Any = None, nonfinite: str = "skip",
-                 fusion_buffer_bytes: int | None = None, model: Any = None,
+                 fusion_buffer_bytes: int | None = None,
+                 gradient_accumulation_steps: int | None = None, model: Any = None,
                  name: str | None = None, **options: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
         check_inner(inner)
-        check_step_arguments(nonfinite, fusion_buffer_bytes)
+        every = check_step_arguments(nonfinite, fusion_buffer_bytes,
+                                     gradient_accumulation_steps)
         rules = clipping_lib.as_rules(clipping)
         compression, momentum = split_arguments(inner, compression, momentum_correction,
                                                 options)
@@ -137,6 +139,7 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self.inner_optimizer = inner
         self.nonfinite = nonfinite
         self.fusion_buffer_bytes = fusion_buffer_bytes
+        self.accumulation_steps = every
         self.clipping = rules
         self._model = model
         _compat.disable_gradient_all_reduce(inner)
@@ -150,7 +153,20 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self._residuals: list[keras.Variable] = []
         self._clip_states: list[list[keras.Variable]] = []
         self._velocities: list[keras.Variable] = []
+        self._accumulators: list[keras.Variable] = []
+        self._window: keras.Variable | None = None
         self._state_apart = False  # see replica_state_apart
+
+    @property
+    def gradient_accumulation_steps(self) -> int | None:
+        """Micro-steps accumulated locally per exchange (``None``: one, every step)."""
+        every = getattr(self, "accumulation_steps", 1)
+        return None if every == 1 or getattr(self, "_base_building", False) else every
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int | None) -> None:
+        if value:  # Keras' constructor sets None; the wrapper's own is the constructor's
+            raise AttributeError("gradient_accumulation_steps is set by the constructor")
 
     # -- state ---------------------------------------------------------------------------
     @_compat.no_automatic_dependency_tracking
@@ -177,7 +193,19 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             initializer=keras.initializers.Zeros(), shape=(step.STATS_SIZE,), dtype="float32",
             trainable=False, synchronization="on_read", aggregation="mean",
             name="blocksparse_stats")
-        super().build(var_list)
+        self._accumulators, self._window = [], None
+        if self.accumulation_steps > 1:
+            self._accumulators = [self._per_replica_variable(v, v.shape, v.dtype,
+                                                             "accumulated_")
+                                  for v in var_list]
+            self._window = self.add_variable(shape=(), initializer="zeros", dtype="int64",
+                                             aggregation="only_first_replica",
+                                             name="accumulated_steps")
+        self._base_building = True  # Keras' build must not add accumulators of its own
+        try:
+            super().build(var_list)
+        finally:
+            self._base_building = False
         if self._auto is not None:
             groups = self._group_indices()
             self._auto.build(self._distribution_strategy, self._trainable_variables, groups,
@@ -296,6 +324,46 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             return
         grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]
         idx = [self._get_variable_index(v) for v in tvs]
+        if self.accumulation_steps > 1:
+            self._accumulate_or_exchange(grads, tvs, idx)
+        else:
+            self._exchange(grads, tvs, idx)
+
+    def _accumulate_or_exchange(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any],
+                                idx: Sequence[int]) -> None:
+        """One micro-step of ``gradient_accumulation_steps = n``: the replica adds its
+        gradients to its accumulators (no communication), and on every n-th micro-step the
+        mean of the window's gradients goes through :meth:`_exchange` as one step's would
+        (clipping, error feedback, the exchange, the inner optimizer).  A window whose mean
+        is not finite on some replica is dropped on every replica.  ``iterations`` counts
+        micro-steps (the inner optimizer's learning-rate schedule sees them, as in Keras)."""
+        n = self.accumulation_steps
+        accumulators = [self._accumulators[i] for i in idx]
+        window = self._window
+
+        def exchange(grads: Sequence[tf.Tensor]) -> None:
+            mean = [(tf.convert_to_tensor(a.value) + g) / tf.cast(n, g.dtype)
+                    for a, g in zip(accumulators, grads)]
+            self._exchange(mean, tvs, idx)
+            for a in accumulators:
+                a.value.assign(tf.zeros_like(a.value))
+            window.assign(tf.zeros_like(window.value))
+
+        def accumulate(grads: Sequence[tf.Tensor]) -> None:
+            for a, g in zip(accumulators, grads):
+                a.value.assign_add(g)
+            window.assign_add(tf.ones_like(window.value))
+            self.inner_optimizer.iterations.assign_add(
+                tf.ones_like(self.inner_optimizer.iterations.value))
+            step.record_micro_step(self._stats, sum(int(g.shape.num_elements()) *
+                                                    g.dtype.size for g in grads))
+
+        step.replica_cond(window.value + 1 >= n, exchange, accumulate, (list(grads),))
+
+    def _exchange(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int]
+                  ) -> None:
+        """One exchange of the replica's ``grads`` (of the variables ``tvs``, indices
+        ``idx``) and the inner optimizer's apply of the result."""
         ctx = tf.distribute.get_replica_context()
         timed = ctx.num_replicas_in_sync > 1  # one replica: no exchange (and maybe XLA)
         start = graph_clock(grads) if timed else None
@@ -478,7 +546,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             "momentum_correction": None if policy is None else policy.get_config(),
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
             "nonfinite": self.nonfinite, "fusion_buffer_bytes": self.fusion_buffer_bytes,
-        }
+        } | ({"gradient_accumulation_steps": self.accumulation_steps}
+             if self.accumulation_steps > 1 else {})
 
     def _inner_config(self) -> dict[str, Any]:
         config = keras.saving.serialize_keras_object(self.inner_optimizer)

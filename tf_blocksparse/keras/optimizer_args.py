@@ -26,7 +26,8 @@ from tf_blocksparse.options import (
 DENSE_BELOW = DEFAULT_DENSE_BELOW
 #: Every keyword argument ``BlockSparseOptimizer`` takes (its own and the options').
 KEYWORDS = ("compression", "momentum_correction", "momentum_masking", "clipping", "nonfinite",
-            "fusion_buffer_bytes", "model", "name", *OPTION_NAMES)
+            "fusion_buffer_bytes", "gradient_accumulation_steps", "model", "name",
+            *OPTION_NAMES)
 _UNSET = object()
 
 
@@ -74,7 +75,7 @@ def check_inner(inner: Any) -> keras.optimizers.Optimizer:
     Raises:
       TypeError: Not a Keras optimizer, or a ``LossScaleOptimizer`` (naming ``inner``).
       ValueError: It accumulates gradients (``gradient_accumulation_steps``): the wrapper
-        exchanges every step, before the inner optimizer sees a gradient.
+        accumulates before its exchange, so the number is given to the wrapper.
     """
     if not isinstance(inner, keras.optimizers.Optimizer):
         raise TypeError(f"`inner` must be a keras.optimizers.Optimizer, got {inner!r}")
@@ -83,24 +84,35 @@ def check_inner(inner: Any) -> keras.optimizers.Optimizer:
                         "LossScaleOptimizer(BlockSparseOptimizer(...)) instead")
     steps = getattr(inner, "gradient_accumulation_steps", None)
     if steps:
-        raise ValueError(f"the inner optimizer has gradient_accumulation_steps={steps}; "
-                         "BlockSparseOptimizer exchanges (and keeps residuals) every step, so "
-                         "`gradient_accumulation_steps` is not supported: use a larger batch")
+        raise ValueError(f"the inner optimizer has gradient_accumulation_steps={steps}: give "
+                         f"it to the wrapper instead, BlockSparseOptimizer("
+                         f"{type(inner).__name__}(...), gradient_accumulation_steps={steps}), "
+                         "which accumulates locally and exchanges once per window")
     return inner
 
 
-def check_step_arguments(nonfinite: Any, fusion_buffer_bytes: Any) -> None:
-    """Checks ``nonfinite`` and ``fusion_buffer_bytes``.
+def check_step_arguments(nonfinite: Any, fusion_buffer_bytes: Any,
+                         gradient_accumulation_steps: Any = None) -> int:
+    """Checks ``nonfinite``, ``fusion_buffer_bytes`` and ``gradient_accumulation_steps``.
+
+    Returns:
+      The micro-steps per exchange (1 for ``gradient_accumulation_steps=None``).
 
     Raises:
       ValueError: Naming the argument.
     """
     check_choice(nonfinite, NONFINITE, "nonfinite")
+    steps = gradient_accumulation_steps
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                              or steps < 1):
+        raise ValueError(f"`gradient_accumulation_steps` must be None or an int >= 1, got "
+                         f"{steps!r}")
     if fusion_buffer_bytes is not None and (
             isinstance(fusion_buffer_bytes, bool) or not isinstance(fusion_buffer_bytes, int)
             or fusion_buffer_bytes < 1):
         raise ValueError(f"`fusion_buffer_bytes` must be an int >= 1, got "
                          f"{fusion_buffer_bytes!r}")
+    return steps or 1
 
 
 def config_arguments(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -99,31 +99,50 @@ def reset_sums(stats: keras.Variable) -> None:
         component.assign(tf.concat([value[:n], tf.zeros_like(value[n:])], 0))
 
 
+def replica_cond(flag: tf.Tensor, true_fn: Callable[..., None],
+                 false_fn: Callable[..., None], args: Sequence[Any]) -> None:
+    """Runs ``true_fn(*args)`` or ``false_fn(*args)`` on every replica, chosen by ``flag``
+    (a boolean scalar with the same value on every replica), from replica context.
+
+    The branches may hold collectives and merge calls.  Where the strategy still needs a
+    merge call for them (``MirroredStrategy``), the condition is taken in cross-replica
+    context and each branch runs the replicas again, so every replica takes the same branch.
+    """
+    if not tf.distribute.has_strategy() or _compat.strategy_supports_no_merge_call():
+        tf.cond(flag, lambda: true_fn(*args), lambda: false_fn(*args))
+        return
+
+    def cross_replica(distribution: Any, flag: Any, *args: Any) -> None:
+        chosen = distribution.experimental_local_results(flag)[0]
+        run = distribution.extended.call_for_each_replica
+        tf.cond(chosen, lambda: run(true_fn, args=args), lambda: run(false_fn, args=args))
+
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(flag, *args))
+
+
 def apply_inner(inner: keras.optimizers.Optimizer, nonfinite: str,
                 updates: Sequence[tf.Tensor], tvs: Sequence[Any], finite: tf.Tensor) -> None:
-    """``inner.apply(updates, tvs)`` on every replica, skipped everywhere when not finite.
-
-    Where the strategy still needs a merge call (MirroredStrategy), the condition is taken
-    in cross-replica context, so every replica takes the same branch.
-    """
+    """``inner.apply(updates, tvs)`` on every replica, skipped everywhere when not finite
+    (unless ``nonfinite="apply"``)."""
     if nonfinite == "apply":
         inner.apply(list(updates), tvs)
         return
-    if not tf.distribute.has_strategy() or \
-            _compat.strategy_supports_no_merge_call():
-        tf.cond(finite, lambda: inner.apply(list(updates), tvs), lambda: None)
-        return
+    replica_cond(finite, lambda u: inner.apply(list(u), tvs), lambda u: None,
+                 (list(updates),))
 
-    def cross_replica(distribution: Any, updates: Any, finite: Any) -> None:
-        flag = distribution.experimental_local_results(finite)[0]
 
-        def apply_fn() -> None:
-            distribution.extended.call_for_each_replica(inner.apply, args=(updates, tvs))
-
-        tf.cond(flag, apply_fn, lambda: None)
-
-    tf.distribute.get_replica_context().merge_call(
-        cross_replica, args=(list(updates), finite))
+def record_micro_step(stats: keras.Variable, dense_bytes: int) -> None:
+    """Counts a micro-step that only accumulated (``gradient_accumulation_steps``) in the
+    sums of ``stats``: no bytes, blocks or exchange seconds, so the means of
+    :data:`MEAN_NAMES` are per training step, amortised over the exchange window.
+    ``dense_bytes`` (what a dense step would send) and the last residual norm are added as
+    they stand; the last step's figures stay those of the last exchange."""
+    old = tf.convert_to_tensor(stats.value)
+    n = len(STAT_NAMES)
+    figures = {"dense_bytes": tf.constant(float(dense_bytes)),
+               "residual_norm": old[STAT_NAMES.index("residual_norm")]}
+    step = tf.stack([figures.get(m, tf.constant(0.0)) for m in MEAN_NAMES] + [1.0])
+    stats.value.assign(tf.concat([old[:n], old[n:] + step], 0))
 
 
 def run_grouped_exchange(mode: str | Sequence[str], ctx: tf.distribute.ReplicaContext,
