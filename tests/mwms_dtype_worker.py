@@ -1,8 +1,9 @@
 """One worker of the 2-process test of narrow dtypes under ``tfbs.MultiWorkerMirroredStrategy``.
 
 Fits a tiny model on uint8 labels (Fashion-MNIST's, read from its IDX files when installed,
-else a small uint8 array), then reduces and gathers values of dtypes the collectives do not
-take; writes what came back to ``OUT_DIR/dtypes_<task>.json``.
+else a small uint8 array), saves it from the chief only (``model.save``, as Horovod users
+do: no collective may be left waiting), then reduces and gathers values of dtypes the
+collectives do not take; writes what came back to ``OUT_DIR/dtypes_<task>.json``.
 
 Usage: python tests/mwms_dtype_worker.py OUT_DIR
 """
@@ -18,6 +19,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_blocksparse as tfbs  # noqa: E402
+from tf_blocksparse import _compat  # noqa: E402
 from launch import data  # noqa: E402
 
 EXAMPLES = 64
@@ -72,8 +74,12 @@ def main(out_dir: str) -> None:
         model.compile(optimizer=opt, metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     hist = model.fit(ds, epochs=1, verbose=0)
+    if task == 0:
+        model.save(os.path.join(out_dir, "chief.keras"))
     record = {"loss": hist.history["loss"], "values": _values(strategy, task),
-              "weights_sum": float(sum(np.abs(w).sum() for w in model.get_weights()))}
+              "weights_sum": float(sum(np.abs(w).sum() for w in model.get_weights())),
+              "residual_sums": [float(np.sum(c.numpy())) for r in opt.residuals
+                                for c in _compat.local_components(r)]}
     with open(os.path.join(out_dir, f"dtypes_{task}.json"), "w") as f:
         json.dump(record, f)
 

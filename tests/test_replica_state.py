@@ -144,3 +144,15 @@ def test_model_keras_still_holds_the_sums(mirrored2, tmp_path):
     for v, want in zip(replica_state.state_variables(loaded.optimizer), sums):
         np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)  # each replica sum / 2
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_cluster_value_is_exact_on_one_worker_and_scaled_from_its_replicas_on_several(
+        mirrored2):
+    model = _model(mirrored2)
+    model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)
+    variable = model.optimizer.residuals[0]
+    a, b = _per_replica(model.optimizer)[0]
+    np.testing.assert_allclose(replica_state.cluster_value(variable, 2), a + b, rtol=1e-6)
+    # as one of 3 workers with 2 replicas each: 6 x the local mean
+    np.testing.assert_allclose(replica_state.cluster_value(variable, 6), 3 * (a + b),
+                               rtol=1e-6)

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -40,6 +41,17 @@ def test_uint8_labels_fit_and_narrow_dtypes_reduce_exactly(tmp_path):
     assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs above)"
     records = [json.loads((tmp_path / f"dtypes_{i}.json").read_text()) for i in range(2)]
     assert records[0]["weights_sum"] == records[1]["weights_sum"]
+    # the chief saved alone and nothing waited; its replica's residuals stand in for the
+    # cluster's sum (twice its own: one replica per worker), which one replica loads whole
+    import keras
+
+    import tf_blocksparse  # noqa: F401  (registers the optimizer)
+
+    loaded = keras.models.load_model(str(tmp_path / "chief.keras"))
+    saved = [float(np.sum(r.numpy())) for r in loaded.optimizer.residuals]
+    chief = records[0]["residual_sums"]
+    np.testing.assert_allclose(saved, 2 * np.asarray(chief), rtol=1e-6)
+    assert any(s != 0 for s in saved)
     assert all(math.isfinite(loss) for loss in records[0]["loss"])
     for record in records:
         values = record["values"]

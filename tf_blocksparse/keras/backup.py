@@ -147,13 +147,15 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
 
 def save_model(model: keras.Model, path: str) -> None:
-    """``model.save(path)`` from every worker; only the chief's file stays at ``path``.
+    """``model.save(path)`` on the chief; other workers write nothing.
 
     The ``.keras`` file holds the weights, the optimizer's configuration and its state with
     the per-replica state (residuals, local velocities) as the sum over replicas: loading it
-    gives every replica ``sum / N``.  Under a multi-worker strategy reading that sum is a
-    collective, so every worker must save at the same point; non-chief workers write to a
-    private temporary file that is removed again.
+    gives every replica ``sum / N``.  Saving needs no collective, so workers may call this
+    (or ``model.save`` on the chief alone) at different points; with several workers the
+    per-replica sum is estimated from the chief's replicas
+    (:func:`~tf_blocksparse.keras.replica_state.cluster_value`; ``BackupAndRestore`` keeps
+    every replica's exact state).
 
     Args:
       model: The trained model (optimizer included).
@@ -164,9 +166,7 @@ def save_model(model: keras.Model, path: str) -> None:
     """
     if not str(path).endswith(".keras"):
         raise ValueError(f"`path` must end in .keras, got {path!r}")
-    role = worker_role(model.distribute_strategy)
-    target = path if role.is_chief else f"{path}.worker_{role.index}.keras"
-    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-    model.save(target)
-    if not role.is_chief:
-        os.remove(target)
+    if not worker_role(model.distribute_strategy).is_chief:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    model.save(path)

@@ -40,7 +40,7 @@ import tensorflow as tf
 from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import auto_exchange, dense_phase, loss_scale
+from tf_blocksparse.keras import auto_exchange, dense_phase, loss_scale, replica_state
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.keras.forward_order import backward_ranks
@@ -262,8 +262,14 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         return self.variables
 
     def save_own_variables(self, store: Any) -> None:
+        """Saves the state with no collective, so any worker may save alone (``model.save``
+        on the chief only, as Horovod users do): per-replica state is saved as its sum over
+        replicas, exact on one worker and estimated from this worker's replicas on several
+        (:func:`~tf_blocksparse.keras.replica_state.cluster_value`)."""
+        replicas = self._distribution_strategy.num_replicas_in_sync
         for i, variable in enumerate(self._saved_variables()):
-            store[str(i)] = variable.numpy()
+            store[str(i)] = (replica_state.cluster_value(variable, replicas)
+                             if _compat.is_on_read(variable) else variable.numpy())
 
     def load_own_variables(self, store: Any) -> None:
         """Loads a full save (``model.save``: per-replica state as sums) or, within

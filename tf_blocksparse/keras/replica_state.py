@@ -43,6 +43,17 @@ def _aggregation(variable: Any) -> str:
     return "mean" if "MEAN" in str(agg).upper() else "sum"
 
 
+def cluster_value(variable: Any, num_replicas: int) -> np.ndarray:
+    """What a cross-replica read of an on-read ``variable`` gives, from this worker's
+    replicas alone (no collective): exact on one worker; with several, the sum over the
+    cluster estimated as ``num_replicas`` times the local mean (a mean: the local mean)."""
+    local = [np.asarray(c.numpy()) for c in _compat.local_components(variable)]
+    if len(local) >= num_replicas:
+        return np.asarray(variable.numpy())
+    mean = np.mean(local, axis=0).astype(local[0].dtype)
+    return mean if _aggregation(variable) == "mean" else mean * local[0].dtype.type(num_replicas)
+
+
 def _worker_index(path: str) -> int | None:
     """The worker index in a state file's name (``worker_<i>.npz``, ``.bkp`` or not)."""
     index = os.path.basename(path)[len("worker_"):].split(".")[0]
