@@ -19,8 +19,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_blocksparse as tfbs  # noqa: E402
-from tf_blocksparse import _compat  # noqa: E402
 from launch import data  # noqa: E402
+from tf_blocksparse import _compat  # noqa: E402
 
 EXAMPLES = 64
 #: The narrow dtypes, and int32 and float32 as what they must agree with.
