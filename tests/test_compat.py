@@ -334,3 +334,12 @@ def test_delegate_loss_scale_check_asks_the_inner_optimizer():
     plain = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     assert bool(plain.check_finite(grads))
     assert not bool(plain.check_finite([tf.constant([np.inf])]))
+
+
+def test_optimizer_strategy_is_the_strategy_at_construction(mirrored2):
+    outside = keras.optimizers.SGD(0.1)
+    with mirrored2.scope():
+        inside = keras.optimizers.SGD(0.1)
+    assert _compat.optimizer_strategy(inside) is mirrored2
+    assert _compat.optimizer_strategy(outside) is tf.distribute.get_strategy()
+    assert _compat.optimizer_strategy(object()) is None

@@ -39,6 +39,13 @@ def disable_gradient_all_reduce(optimizer: Any) -> None:
     optimizer._all_reduce_sum_gradients = _pass_through
 
 
+def optimizer_strategy(optimizer: Any) -> Any:
+    """The ``tf.distribute`` strategy a Keras optimizer was created under (Keras' TensorFlow
+    optimizer records ``tf.distribute.get_strategy()`` at construction); ``None`` if it
+    records none."""
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
 def gradient_all_reduce_disabled(optimizer: Any) -> bool:
     """Whether :func:`disable_gradient_all_reduce` was applied to ``optimizer``."""
     return getattr(optimizer, "_all_reduce_sum_gradients", None) is _pass_through
@@ -317,6 +324,7 @@ __all__: Sequence[str] = [
     "is_on_read", "keras_history",
     "local_components", "no_automatic_dependency_tracking", "nodes_by_depth",
     "own_trainable_variables", "previous_backup", "resumed_epoch",
-    "strategy_cross_device_ops", "strategy_supports_no_merge_call", "variable_owners",
+    "optimizer_strategy", "strategy_cross_device_ops", "strategy_supports_no_merge_call",
+    "variable_owners",
     "variable_storage", "xplane_proto",
 ]

@@ -315,6 +315,12 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             if trainable_variables is None:
                 raise ValueError("the optimizer is not built: pass `trainable_variables` or "
                                  "call build() first")
+            if tf.distribute.has_strategy() and tf.inside_function():
+                raise ValueError(
+                    "BlockSparseOptimizer is not built: in a custom loop under a strategy, "
+                    "call opt.build(model.trainable_variables) inside strategy.scope() before "
+                    "the first step (its per-replica state cannot be created inside a "
+                    "tf.function; model.fit builds it by itself)")
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
             self.built = True

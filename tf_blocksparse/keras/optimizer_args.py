@@ -82,6 +82,12 @@ def check_inner(inner: Any) -> keras.optimizers.Optimizer:
     if isinstance(inner, keras.optimizers.LossScaleOptimizer):
         raise TypeError("`inner` must not be a LossScaleOptimizer: use "
                         "LossScaleOptimizer(BlockSparseOptimizer(...)) instead")
+    created = _compat.optimizer_strategy(inner)
+    if created is not None and created is not tf.distribute.get_strategy():
+        raise ValueError(
+            "`inner` was created under another tf.distribute strategy than the one this "
+            "BlockSparseOptimizer is created under (e.g. outside strategy.scope()): create "
+            "both inside the same strategy.scope()")
     steps = getattr(inner, "gradient_accumulation_steps", None)
     if steps:
         raise ValueError(f"the inner optimizer has gradient_accumulation_steps={steps}: give "
