@@ -22,18 +22,18 @@ def num_selected(num_blocks: int, k: int | None = None, density: float | None = 
     """Number of blocks to keep for a variable with ``num_blocks`` blocks.
 
     Args:
-      num_blocks: Blocks of the variable (>= 1).
+      num_blocks: Blocks of the variable (0 for an empty variable).
       k: Fixed count; clipped to ``num_blocks``.
       density: Fraction in (0, 1]; ``ceil(density * num_blocks)``, at least 1.
 
     Returns:
-      An int in ``[1, num_blocks]``.
+      An int in ``[1, num_blocks]`` (0 for an empty variable).
     """
     if density is not None:
         n = math.ceil(density * num_blocks)
     else:
         n = 1 if k is None else k
-    return max(1, min(num_blocks, n))
+    return min(num_blocks, max(1, n))
 
 
 def view(x: tf.Tensor, layout: BlockLayout) -> tf.Tensor:

@@ -136,8 +136,10 @@ def _on_cpu(x: tf.Tensor) -> bool:
 
 
 def fusable(x: tf.Tensor) -> bool:
-    """True when ``x`` goes to the fused ops: float32/64 on CPU and the kernels loaded."""
-    return x.dtype in _DTYPES and _on_cpu(x) and load() is not None
+    """True when ``x`` goes to the fused ops: float32/64 on CPU, not empty (an empty
+    variable has no blocks), and the kernels loaded."""
+    return (x.dtype in _DTYPES and x.shape.num_elements() != 0 and _on_cpu(x)
+            and load() is not None)
 
 
 def _attrs(layout: BlockLayout) -> dict:

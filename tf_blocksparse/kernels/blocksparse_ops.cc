@@ -222,11 +222,20 @@ struct Tiling {
   int64 rows, chunks, span, cols;
 };
 
+// Row ranges beyond this many would make the per-range partial sums (chunks * num_blocks)
+// approach the gradient's size: a wide layer (e.g. a [768, 50257] LM head, one block per
+// column) gets at most kMaxChunks row ranges of more rows each.
+constexpr int64 kMaxChunks = 16;
+
 Tiling MakeTiling(int64 outer, int64 nb, int64 inner) {
   Tiling t;
   const int64 row = nb * inner;
   t.rows = std::min(outer, std::max<int64>(1, kTileElems / row));
   t.chunks = (outer + t.rows - 1) / t.rows;
+  if (t.chunks > kMaxChunks) {
+    t.rows = (outer + kMaxChunks - 1) / kMaxChunks;
+    t.chunks = (outer + t.rows - 1) / t.rows;
+  }
   t.span = row <= kTileElems ? nb : std::max<int64>(1, kTileElems / inner);
   t.cols = (nb + t.span - 1) / t.span;
   return t;
