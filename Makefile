@@ -12,7 +12,7 @@ export TF_CPP_MIN_LOG_LEVEL = 2
 # Worker processes that tests and benchmarks start by file path import launch/ and models/ too.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: venv kernels data test test-slow test-notebooks lint demo bench bench-full bench-micro bench-cluster clean
+.PHONY: venv kernels data test test-compat test-slow test-notebooks lint demo bench bench-full bench-micro bench-cluster clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,17 @@ endef
 
 test: venv kernels data
 	$(call run_pytest,)
+
+# The same suite on the oldest supported pair, TensorFlow 2.19 with Keras 3.10, in a venv of
+# its own (the pairs tested are TESTED_PAIRS in tf_blocksparse/_compat.py; the kernels are
+# built per TensorFlow version, so both venvs share the checkout).
+COMPAT_VENV ?= .venv-tf2.19
+COMPAT_PINS ?= tensorflow==2.19.* keras==3.10.* tensorboard==2.19.*
+test-compat:
+	@test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]' $(COMPAT_PINS)
+	@touch $(COMPAT_VENV)/.installed
+	$(MAKE) test VENV=$(COMPAT_VENV)
 
 test-slow: venv kernels data
 	$(call run_pytest,-m slow)
@@ -101,7 +112,7 @@ bench-full: venv data
 			--methods=dense,block_default --convergence=$(BENCH)/convergence.json \
 			--check=cnn_small:100:block_default:0 --out=$(BENCH); \
 	else echo "bench-full: backup and wall-clock benches skipped (need root for network namespaces)"; fi
-	@echo "bench-full: the early-training groups of time_to_accuracy.json and convergence_early.json"
+	@echo "bench-full: the early-training groups of time_to_accuracy_early.json and convergence_early.json"
 	@echo "have their own commands in docs/results.md"
 
 # Pipeline and hybrid training across worker processes on an emulated cluster (root: network

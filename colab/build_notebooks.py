@@ -48,7 +48,8 @@ def code(*parts: str) -> Cell:
 # --------------------------------------------------------------------------- shared cells
 
 INSTALL = code(f'''
-    # Install tf_blocksparse where it is not importable yet (on Colab: about a minute).
+    # Install tf_blocksparse where it is not importable yet (on Colab: seconds; it keeps the
+    # runtime's TensorFlow and Keras).
     # TFBS_SOURCE (environment variable) chooses what pip installs: a requirement, a git URL or
     # a path; by default the repository checkout this notebook runs in, else the project's
     # repository.  A failed install stops here with an error (Run all stops too).
@@ -85,12 +86,32 @@ INSTALL = code(f'''
         return versions
 
 
+    def present(dist):
+        """The installed version of `dist`, or None."""
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+
     def install_tf_blocksparse(source):
-        """pip-installs `source` into this kernel's interpreter; raises if that fails."""
+        """pip-installs `source` into this kernel's interpreter; raises if that fails.
+
+        Where TensorFlow and Keras are installed already (Colab), only tf_blocksparse is
+        (`--no-deps`): the runtime keeps its own versions (tested: TensorFlow 2.19-2.21
+        with Keras 3.10-3.15; others get a note)."""
         loaded = loaded_distributions()
+        tf_version, keras_version = present("tensorflow"), present("keras")
+        keep = tf_version is not None and keras_version is not None
+        if keep and not (tf_version.split(".")[:2] in (["2", "19"], ["2", "20"], ["2", "21"])
+                         and keras_version.split(".")[:2] in [["3", str(m)]
+                                                               for m in range(10, 16)]):
+            print(f"note: TensorFlow {{tf_version}} / Keras {{keras_version}} are outside the "
+                  "tested versions (TensorFlow 2.19-2.21, Keras 3.10-3.15)")
         print(f"installing tf_blocksparse from {{source}} ...", flush=True)
         try:
-            subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", source])
+            subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                                   *(["--no-deps"] if keep else []), source])
         except subprocess.CalledProcessError as err:
             raise RuntimeError(
                 f"pip could not install tf_blocksparse from {{source!r}} (exit code "
@@ -116,7 +137,7 @@ INSTALL = code(f'''
     except ImportError as err:
         raise RuntimeError(
             f"tf_blocksparse is installed but does not import ({{err}}); check that this "
-            "runtime has Python >= 3.10, TensorFlow 2.21 and Keras 3.15.") from err
+            "runtime has Python >= 3.10, TensorFlow 2.19-2.21 and Keras 3.10-3.15.") from err
     print("tf_blocksparse from", Path(tf_blocksparse.__file__).parent)
 ''')
 

@@ -21,8 +21,8 @@ With several ``--seeds`` the runs go seed by seed (every method's seed 0, then s
 so a slow spell of the machine falls on all methods alike; each seed's dense run sets that
 seed's target, and ``summary`` gives the mean, std, min and max over the seeds.
 
-Writes ``OUT/time_to_accuracy.json`` (``records``: one per model x bandwidth x method x seed;
-``summary``: one per model x bandwidth x method; the budget) and ``OUT/time_to_accuracy.png``
+Writes ``OUT/time_to_accuracy_early.json`` (``records``: one per model x bandwidth x method x seed;
+``summary``: one per model x bandwidth x method; the budget) and ``OUT/time_to_accuracy_early.png``
 (accuracy vs training time and vs bytes).
 
     python -m launch.bench_time_to_accuracy [--models=vgg_fc,resnet20]
@@ -94,7 +94,7 @@ def define_flags() -> None:
                          "after at least the dense run's epochs (their final accuracy is then "
                          "taken at >= as many steps as dense's).")
     flags.DEFINE_boolean("resume", False, "Keep the groups (model x bandwidth) already in "
-                         "OUT/time_to_accuracy.json with the same budget, and those of models "
+                         "OUT/time_to_accuracy_early.json with the same budget, and those of models "
                          "not in --models (each group keeps its budget in group_budgets); run "
                          "the rest, and the --methods a kept group lacks.")
     flags.DEFINE_list("rerun", [], "With --resume: methods to run again in kept groups "
@@ -381,7 +381,7 @@ def main(argv: list[str]) -> None:
         return {**common, "lr": lrs.get(model, f.lr),
                 "steps_per_epoch": steps.get(model, f.steps_per_epoch)}
 
-    path = os.path.join(f.out, "time_to_accuracy.json")
+    path = os.path.join(f.out, "time_to_accuracy_early.json")
     doc = {"budget": {**common, "per_model": {m: {k: group_budget(m)[k] for k in
                                                   ("lr", "steps_per_epoch")}
                                               for m in f.models}},
@@ -426,7 +426,7 @@ def main(argv: list[str]) -> None:
     doc["summary"] = aggregate(doc["records"])
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
-    experiments.plot_curves(doc["runs"], os.path.join(f.out, "time_to_accuracy.png"),
+    experiments.plot_curves(doc["runs"], os.path.join(f.out, "time_to_accuracy_early.png"),
                             f"{f.num_workers} workers, shaped links, density {f.density}")
     print(json.dumps({k: v for k, v in doc.items() if k not in ("runs", "records")}))
 

@@ -24,7 +24,7 @@ one direct run:
 the budget's epochs (stopping at the target) and reports its measured wall time to target
 against the composition (with the direct run's own epochs to target, and with the curves').
 
-Writes ``OUT/time_to_accuracy_wall.json``: ``budget`` (``target_rule``, the timing set-up),
+Writes ``OUT/time_to_accuracy.json``: ``budget`` (``target_rule``, the timing set-up),
 ``timings`` (per model x rate x method, with the run records' flags and provenance),
 ``records`` (per model x rate x method x seed) and ``summary`` rows with ``wall_s``,
 ``train_s``, ``wall_speedup_vs_dense`` and ``speedup_vs_dense`` as {mean, std, min, max, n}.
@@ -209,7 +209,7 @@ def main(argv: list[str]) -> None:
     f = FLAGS
     curves, budget = load_curves(f.convergence)
     rates = [float(r) for r in f.bandwidths_mbit]
-    path = os.path.join(f.out, "time_to_accuracy_wall.json")
+    path = os.path.join(f.out, "time_to_accuracy.json")
     setup = {"num_workers": f.num_workers, "timing_steps": f.timing_steps,
              "timing_epochs": f.timing_epochs, "density": f.density,
              "convergence_budget": {k: v for k, v in budget.items()

@@ -57,7 +57,7 @@ def _tta_summary(doc: dict) -> list[dict]:
 
 
 def time_to_accuracy_table(doc: dict) -> str:
-    """One row per model x bandwidth x method (``time_to_accuracy.json``), over its seeds."""
+    """One row per model x bandwidth x method (``time_to_accuracy_early.json``), over its seeds."""
     lines = ["| model | link | method | seeds | evaluation | lr | masking | final acc | "
              "target | time to target s | s/step | bytes/step | vs dense bytes | "
              "speedup vs dense |",
@@ -88,7 +88,7 @@ def _runs_of(modes: list[str]) -> str:
 
 
 def step_breakdown_table(doc: dict) -> str:
-    """Where a step's time goes, per model x bandwidth x method (``time_to_accuracy.json``
+    """Where a step's time goes, per model x bandwidth x method (``time_to_accuracy_early.json``
     runs that carry the optimizer wrapper's timings), mean over the seeds."""
     lines = ["| model | link | method | seeds | s/step | compute s | compression s | "
              "communication s | once s (of it measuring) | modes per fusion group |",
@@ -161,7 +161,7 @@ def converged_table(doc: dict) -> str:
 
 
 def wall_clock_table(doc: dict) -> str:
-    """One row per model x link x method (``time_to_accuracy_wall.json``)."""
+    """One row per model x link x method (``time_to_accuracy.json``)."""
     lines = ["| model | link | method | seeds reaching target | epochs to target | "
              "s/epoch (of it eval, backup) | one-time s | wall s to target | wall speedup | "
              "training-clock speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -221,11 +221,11 @@ def hybrid_cluster_table(doc: dict) -> str:
 
 #: Results file -> its table.
 #: ``FILE`` or ``FILE#VIEW`` (a second table from the same file) -> table builder.
-TABLES = {"time_to_accuracy.json": time_to_accuracy_table,
-          "time_to_accuracy.json#breakdown": step_breakdown_table,
+TABLES = {"time_to_accuracy_early.json": time_to_accuracy_table,
+          "time_to_accuracy_early.json#breakdown": step_breakdown_table,
           "convergence.json": converged_table,
           "convergence_early.json": convergence_table, "demo.json": demo_table,
-          "time_to_accuracy_wall.json": wall_clock_table, "backup.json": backup_table,
+          "time_to_accuracy.json": wall_clock_table, "backup.json": backup_table,
           "pipeline_cluster.json": pipeline_cluster_table,
           "hybrid_cluster.json": hybrid_cluster_table}
 

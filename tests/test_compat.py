@@ -14,9 +14,11 @@ import tensorflow as tf
 from tf_blocksparse import _compat
 
 
-def test_tested_versions_are_the_installed_ones():
-    assert tf.__version__.startswith(_compat.TESTED["tensorflow"] + ".")
-    assert keras.__version__.startswith(_compat.TESTED["keras"] + ".")
+def test_the_installed_versions_are_a_tested_pair():
+    def minor(version):
+        return ".".join(version.split(".")[:2])
+
+    assert (minor(tf.__version__), minor(keras.__version__)) in _compat.TESTED_PAIRS
 
 
 def _sgd_step_on_two_replicas(strategy, hook=None) -> list[float]:

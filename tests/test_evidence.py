@@ -177,7 +177,7 @@ def test_time_to_accuracy_end_to_end_schema(tmp_path):
            "--methods=dense,block_allgather", "--epochs=2", "--steps_per_epoch=5",
            "--density=0.05", "--momentum_masking=waited", "--seeds=0,1", f"--out={tmp_path}"]
     subprocess.run(cmd, check=True, timeout=900, cwd=ROOT, capture_output=True)
-    doc = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    doc = json.loads((tmp_path / "time_to_accuracy_early.json").read_text())
     assert len(doc["records"]) == 4 and doc["budget"]["num_workers"] == 2
     assert [(r["seed"], r["method"]) for r in doc["records"]] == [
         (0, "dense"), (0, "block_allgather"), (1, "dense"), (1, "block_allgather")]
@@ -188,10 +188,10 @@ def test_time_to_accuracy_end_to_end_schema(tmp_path):
         assert r["lr"] == 0.05
         assert r["momentum_masking"] == (None if r["method"] == "dense" else "waited")
         assert r["startup_s"] >= 0 and r["measure_s"] == 0.0  # fixed modes measure nothing
-    assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
+    assert (tmp_path / "time_to_accuracy_early.png").stat().st_size > 0
     # --resume with nothing to run derives the same figures from the stored runs
     subprocess.run([*cmd, "--resume"], check=True, timeout=300, cwd=ROOT, capture_output=True)
-    again = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    again = json.loads((tmp_path / "time_to_accuracy_early.json").read_text())
     assert again["records"] == doc["records"] and again["summary"] == doc["summary"]
 
 

@@ -29,7 +29,7 @@ def _png(name: str) -> None:
 
 
 def test_time_to_accuracy_file():
-    doc = _load("time_to_accuracy.json")
+    doc = _load("time_to_accuracy_early.json")
     records = doc["records"]
     groups = {(r["model"], r["bandwidth_mbit"]) for r in records}
     assert {m for m, _ in groups} >= {"vgg_fc", "resnet20"}
@@ -65,7 +65,7 @@ def test_time_to_accuracy_file():
     assert sum(len(row["seeds"]) for row in summary) == len(records)
     table = results_tables.time_to_accuracy_table(doc).splitlines()
     assert len(table) == len(summary) + 2
-    _png("time_to_accuracy.png")
+    _png("time_to_accuracy_early.png")
 
 
 def _check_convergence_rows(rows: list[dict]) -> None:
@@ -115,7 +115,7 @@ def test_early_convergence_file():
 def test_wall_clock_file():
     """Wall-clock time to the converged target: every run counted from launch, the
     composition checked against a direct run, speedups per seed against that seed's dense."""
-    doc = _load("time_to_accuracy_wall.json")
+    doc = _load("time_to_accuracy.json")
     assert "converged" in doc["budget"]["target_rule"]
     for t in doc["timings"]:
         parts = t["parts"]

@@ -3,7 +3,8 @@
 The rest of the package calls these functions instead of reaching into ``keras.src``,
 ``tf.__internal__`` or underscore attributes, so a TensorFlow / Keras upgrade that changes one
 of them breaks one contract test (``tests/test_compat.py`` holds one per hook) instead of
-training.  Tested with TensorFlow 2.21 and Keras 3.15 (:data:`TESTED`).
+training.  Tested with TensorFlow 2.19 / Keras 3.10 and TensorFlow 2.21 / Keras 3.15
+(:data:`TESTED_PAIRS`).
 
 TensorFlow and Keras are imported inside the functions, so TF-free modules (the block-rule
 table) may import this module.
@@ -17,7 +18,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 #: The versions these hooks are checked against (``tests/test_compat.py``).
-TESTED = {"tensorflow": "2.21", "keras": "3.15"}
+TESTED = {"tensorflow": "2.19-2.21", "keras": "3.10-3.15"}
+#: The (TensorFlow, Keras) minor versions the whole test suite runs on (``make test`` and
+#: ``make test-compat``).
+TESTED_PAIRS = (("2.19", "3.10"), ("2.21", "3.15"))
 
 
 # -- Keras optimizer -----------------------------------------------------------------------
@@ -319,7 +323,8 @@ def xplane_proto() -> Any:
 
 
 __all__: Sequence[str] = [
-    "TESTED", "after_gradient_all_reduce", "build_input_shapes", "delegate_loss_scale_check",
+    "TESTED", "TESTED_PAIRS", "after_gradient_all_reduce", "build_input_shapes",
+    "delegate_loss_scale_check",
     "disable_gradient_all_reduce", "flatten_layers", "gradient_all_reduce_disabled",
     "is_on_read", "keras_history",
     "local_components", "no_automatic_dependency_tracking", "nodes_by_depth",

@@ -38,8 +38,10 @@ __all__ = ["ENV", "LIBRARY", "accumulate_score", "block_scores", "enabled", "fus
 
 #: Environment variable; ``0`` forces the pure-TensorFlow path.
 ENV = "TF_BLOCKSPARSE_KERNELS"
-#: The built library, next to its source.
-LIBRARY = pathlib.Path(__file__).with_name("_blocksparse_ops.so")
+#: The built library, next to its source; one per TensorFlow minor version (its ABI), so
+#: environments with different TensorFlow versions can share a checkout.
+LIBRARY = pathlib.Path(__file__).with_name(
+    "_blocksparse_ops-tf{}.so".format(".".join(tf.__version__.split(".")[:2])))
 BUILD_HINT = "python -m tf_blocksparse.kernels.build (or `make kernels`)"
 _DTYPES = (tf.float32, tf.float64)
 _OPS = ("BlockAccumulateScore", "BlockScores", "TakeBlocks")

@@ -1,7 +1,8 @@
 """Builds the fused CPU kernels: ``python -m tf_blocksparse.kernels.build [--force]``.
 
 Compiles ``blocksparse_ops.cc`` with ``g++`` (or ``$CXX``) against the installed
-TensorFlow's headers and library (``tf.sysconfig``) into ``_blocksparse_ops.so`` next to it.
+TensorFlow's headers and library (``tf.sysconfig``) into ``_blocksparse_ops-tf<major.minor>.so``
+next to it (one per TensorFlow version).
 Plain ``-O3`` (no ``-march=native``), so the library runs on any x86-64 / arm64 machine of
 the same platform.  Skips the build when the library is newer than the source (``--force``
 rebuilds).  Exits 0 on success and 1, with the reason on stderr, on failure; the library
