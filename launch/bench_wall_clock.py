@@ -199,7 +199,8 @@ def load_curves(path: str) -> tuple[dict, dict]:
 def _train_args(model: str, budget: dict, epochs: int, steps: int, seed: int) -> list[str]:
     return [f"--model={model}", f"--dataset={budget['dataset']}", f"--epochs={epochs}",
             f"--steps_per_epoch={steps}", f"--batch_size={budget['global_batch']}",
-            f"--lr={budget['lr']}", "--momentum=0.9", f"--seed={seed}",
+            f"--lr={budget.get('lr_by_model', {}).get(model, budget['lr'])}",
+            "--momentum=0.9", f"--seed={seed}",
             f"--lr_schedule={budget.get('lr_schedule', 'constant')}",
             f"--warmup_epochs={budget.get('warmup_epochs', 0.0)}"]
 
@@ -213,7 +214,7 @@ def main(argv: list[str]) -> None:
     setup = {"num_workers": f.num_workers, "timing_steps": f.timing_steps,
              "timing_epochs": f.timing_epochs, "density": f.density,
              "convergence_budget": {k: v for k, v in budget.items()
-                                    if k not in ("epochs", "rule", "converged")}}
+                                    if k not in ("epochs", "lr_by_model", "rule", "converged")}}
     old, old_checks = {}, {}
     if f.resume and os.path.exists(path):
         with open(path) as fh:
