@@ -42,7 +42,7 @@ RULE = (f"converged when dense's mean test accuracy (over seeds) at the last epo
 
 
 #: Budget entries derived from the runs (per model), not set by the flags.
-_DERIVED = ("epochs", "lr_by_model", "rule", "converged")
+_DERIVED = ("epochs", "lr_by_model", "density", "rule", "converged")
 
 
 def same_budget(old: dict, common: dict) -> bool:
@@ -93,6 +93,8 @@ def define_flags() -> None:
                       "--epochs.")
     flags.DEFINE_list("model_lr", ["vgg_fc=0.01"], "Per-model MODEL=LR overriding --lr "
                       "(vgg_fc's 17M-weight dense layers diverge at 0.05).")
+    flags.DEFINE_float("density", 0.01, "Density of the methods that take one "
+                       "(block_allgather, topk); recorded in each run's flags.")
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0: a full pass).")
     flags.DEFINE_integer("batch_size", 128, "Global batch size.")
     flags.DEFINE_integer("train_samples", 0, "Training subset (0: all 60,000).")
@@ -296,10 +298,10 @@ def main(argv: list[str]) -> None:
                     continue
                 if f.strategy == "mirrored":
                     rec = experiments.run_in_one_process(name, [*args, f"--seed={seed}"],
-                                                         f.num_workers, 0.01)
+                                                         f.num_workers, f.density)
                 else:
                     rec = experiments.run_training(name, [*args, f"--seed={seed}"],
-                                                   f.num_workers, 0.01)
+                                                   f.num_workers, f.density)
                 rec["model"], rec["method"] = model, name
                 doc["runs"].append(_slim(rec))
                 print(json.dumps({"model": model, "method": name, "seed": seed,

@@ -56,8 +56,8 @@ METHODS: dict[str, tuple[str, ...]] = {
 DEMO_METHODS = {"dense": "dense", "block default": "block_auto_default",
                 "block k=1": "block_default", "block literal": "block_source"}
 #: The methods ``launch.bench_convergence`` may run, in its table's order.
-CONVERGENCE_METHODS = ("dense", "block_default", "block_source", "block_k1_dgc",
-                       "block_k1_waited", "topk_1pct")
+CONVERGENCE_METHODS = ("dense", "block_default", "block_allgather", "block_source",
+                       "block_k1_dgc", "block_k1_waited", "topk_1pct")
 #: The methods ``launch.bench_time_to_accuracy`` may run (dense sets the target).
 TIME_TO_ACCURACY_METHODS = ("dense", "block_allgather", "block_shared", "topk", "block_auto")
 
