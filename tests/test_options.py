@@ -149,10 +149,12 @@ def test_invalid_block_rules_regex_fails_at_construction():
         tfbs.BlockSparseCrossDeviceOps(block_rules={"*conv": "single"})
 
 
-def test_gradient_accumulation_in_the_inner_optimizer_is_an_error(mirrored2):
+def test_gradient_accumulation_in_the_inner_optimizer_points_to_the_wrapper(mirrored2):
+    """The inner optimizer would accumulate exchanged updates; the wrapper accumulates
+    before its exchange, and the message says so (the inner is left unchanged)."""
     with mirrored2.scope():
         inner = keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
-        with pytest.raises(ValueError, match="`gradient_accumulation_steps`"):
+        with pytest.raises(ValueError, match="give it to the wrapper instead"):
             tfbs.BlockSparseOptimizer(inner, exchange="allgather")
     assert inner.momentum == 0.9
 

@@ -160,8 +160,8 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
     @property
     def gradient_accumulation_steps(self) -> int | None:
         """Micro-steps accumulated locally per exchange (``None``: one, every step)."""
-        every = getattr(self, "accumulation_steps", 1)
-        return None if every == 1 or getattr(self, "_base_building", False) else every
+        every = getattr(self, "accumulation_steps", 1)  # unset while Keras' __init__ runs
+        return None if every == 1 else every
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: int | None) -> None:
@@ -201,11 +201,11 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             self._window = self.add_variable(shape=(), initializer="zeros", dtype="int64",
                                              aggregation="only_first_replica",
                                              name="accumulated_steps")
-        self._base_building = True  # Keras' build must not add accumulators of its own
-        try:
+        every, self.accumulation_steps = self.accumulation_steps, 1  # Keras' build must not
+        try:                                                          # add accumulators
             super().build(var_list)
         finally:
-            self._base_building = False
+            self.accumulation_steps = every
         if self._auto is not None:
             groups = self._group_indices()
             self._auto.build(self._distribution_strategy, self._trainable_variables, groups,
