@@ -94,9 +94,9 @@ def define_flags() -> None:
                          "after at least the dense run's epochs (their final accuracy is then "
                          "taken at >= as many steps as dense's).")
     flags.DEFINE_boolean("resume", False, "Keep the groups (model x bandwidth) already in "
-                         "OUT/time_to_accuracy_early.json with the same budget, and those of models "
-                         "not in --models (each group keeps its budget in group_budgets); run "
-                         "the rest, and the --methods a kept group lacks.")
+                         "OUT/time_to_accuracy_early.json with the same budget, and those of "
+                         "models not in --models (each group keeps its budget in "
+                         "group_budgets); run the rest, and the --methods a kept group lacks.")
     flags.DEFINE_list("rerun", [], "With --resume: methods to run again in kept groups "
                       "(e.g. dense, to measure it side by side with a method added now; "
                       "the target does not move: runs are deterministic).")
