@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from tests.versions import reads_keras_315_files
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "tf_blocksparse"
 ADAPTERS = ("tf_blocksparse.keras", "tf_blocksparse.distribute")
@@ -91,6 +93,7 @@ def test_importing_planning_loads_no_tensorflow():
     assert proc.returncode == 0, proc.stderr
 
 
+@reads_keras_315_files
 def test_bare_import_then_keras_loads_a_saved_optimizer():
     """``import tf_blocksparse`` is enough for Keras to load a ``.keras`` file that uses the
     optimizer, whichever of the two is imported first."""

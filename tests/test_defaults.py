@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tf_blocksparse as tfbs
+from tests.versions import reads_keras_315_files
 from tf_blocksparse.keras.optimizer_args import DENSE_BELOW
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -106,6 +107,7 @@ def test_flat_config_round_trips_into_the_composed_form():
     assert again.get_config() == old.get_config()
 
 
+@reads_keras_315_files
 def test_model_saved_by_version_0_1_0_loads_with_its_behaviour():
     model = keras.saving.load_model(os.path.join(DATA, "model_v0_1_0.keras"))
     opt = model.optimizer

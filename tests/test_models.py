@@ -10,6 +10,7 @@ import tf_blocksparse as tfbs
 from models import nmt, registry
 from models.resnet import resnet20
 from models.vgg import head_fraction, vgg_fc
+from tests.versions import needs_keras_315_attention
 
 IMAGE_MODELS = ("resnet20", "vgg_fc", "cnn_small")
 SHAPES = ((28, 28, 1), (32, 32, 3))
@@ -123,6 +124,7 @@ def test_masked_loss_and_accuracy_ignore_pad() -> None:
     assert float(nmt.masked_sparse_ce(y, logits)) < 1e-3
 
 
+@needs_keras_315_attention
 def test_gru_nmt_learns_with_block_sparse_exchange() -> None:
     vocab = 12
     (enc_in, dec_in), target = nmt.make_toy_translation(2000, seed=0, src_vocab=vocab,

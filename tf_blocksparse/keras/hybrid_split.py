@@ -158,8 +158,8 @@ def split_model(model: keras.Model, boundary: Boundary | str | None = None
     head_ids = {id(layer) for layer in _own_layers(head)}
     every = {id(layer) for layer in _own_layers(graph)}
     if trunk_ids & head_ids or trunk_ids | head_ids != every:
-        raise ValueError(f"boundary: the input of {boundary.head_layer!r} does not split model "
-                         f"{model.name!r} into two disjoint parts")
+        raise ValueError(f"boundary: the input of {boundary.head_layer!r} is not a cut of model "
+                         f"{model.name!r}: it does not split it into two disjoint parts")
     return trunk, head
 
 
