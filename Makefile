@@ -6,7 +6,10 @@ VENV ?= .venv
 PY = $(VENV)/bin/python
 STAMP = $(VENV)/.installed
 FASHION_DIR ?= /usr/share/datasets/fashion-mnist
-PYTEST_FLAGS = -q -x -p no:cacheprovider
+# Two test processes (pytest-xdist), each test file in one of them: most tests leave a core
+# idle (tracing, process start-up, waits on worker processes), so two share the 2 cores well.
+TEST_WORKERS ?= 2
+PYTEST_FLAGS = -q -x -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 export TF_CPP_MIN_LOG_LEVEL = 2
 # Worker processes that tests and benchmarks start by file path import launch/ and models/ too.

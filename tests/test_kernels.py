@@ -181,15 +181,18 @@ def _compress_fn(comp: BlockTopK):
     return tf.function(run)
 
 
-def _model_layouts() -> list[blocks.BlockLayout]:
-    return [_layout(s, r) for s, r in CASES[:11]]
+def _model_layouts(max_size: int | None = None) -> list[blocks.BlockLayout]:
+    layouts = [_layout(s, r) for s, r in CASES[:11]]
+    return [lay for lay in layouts if max_size is None or lay.size <= max_size]
 
 
 @pytest.mark.parametrize("cls", [BlockTopK, ElementTopK])
 @pytest.mark.parametrize("metric", ["l1", "l2"])
 @pytest.mark.parametrize("k,density", [(1, None), (3, None), (None, 0.3)])
 def test_fused_and_tf_paths_give_the_same_exchange(cls, metric, k, density):
-    layouts = _model_layouts()
+    # element top-k's TF path sorts every element: its comparison leaves out the 21M-element
+    # layout (the fused accumulation of that shape is compared by the block-wise cases)
+    layouts = _model_layouts(None if cls is BlockTopK else 1 << 20)
     comp = cls(layouts, k=k, density=density, metric=metric)
     rng = np.random.default_rng(3)
     grads = [tf.constant(rng.standard_normal(lay.shape).astype(np.float32)) for lay in layouts]

@@ -124,7 +124,8 @@ def test_module_is_pure_python():
 _NUM = (int, float)
 
 
-def _check_schema(r: dict, workers: list[int], bandwidths: list[float]) -> None:
+def _check_schema(r: dict, workers: list[int], bandwidths: list[float],
+                  sanity: bool = True) -> None:
     assert r["schema"] == "tf_blocksparse.scaling/1"
     assert isinstance(r["created"], str) and isinstance(r["seconds"], _NUM)
     assert {"platform", "cpus", "tensorflow", "device"} <= set(r["machine"])
@@ -162,24 +163,53 @@ def _check_schema(r: dict, workers: list[int], bandwidths: list[float]) -> None:
         assert row["mode"] in modes and row["compute"] in computes
         assert (row["selection"] is None) == row["mode"].startswith("dense")
         assert 0 < row["efficiency_no_overlap"] <= row["efficiency_overlap"] <= 1
-    s = r["sanity_check"]
+    if not sanity:
+        assert r["sanity_check"] is None
+    else:
+        _check_sanity(r["sanity_check"])
+    assert set(r["summary"]) == set(r["models"])
+
+
+def _check_sanity(s: dict) -> None:
     assert s["workers"] == 512 and s["bandwidth_gbit"] == 25.0
     assert {e["model"] for e in s["entries"]} == {"resnet101", "vgg16"}
     for e in s["entries"]:
         assert {"dense_bytes", "compute_s", "comm_s", "horovod_efficiency",
                 "projected_no_overlap", "projected_overlap", "within_band"} <= set(e)
-    assert set(r["summary"]) == set(r["models"])
 
 
-def test_project_scaling_writes_the_schema(tmp_path):
+def _project(tmp_path, with_sanity_check: bool) -> dict:
     project_scaling = pytest.importorskip("launch.project_scaling")
     out = tmp_path / "results" / "scaling.json"
     result = project_scaling.run(models=["resnet50"], workers=[8, 1024],
                                  bandwidths_gbit=[1.0, 25.0], image_size=32, cpu_batch=1,
-                                 repeats=1, out=str(out))
+                                 repeats=1, with_sanity_check=with_sanity_check, out=str(out))
     on_disk = json.loads(out.read_text())
     assert on_disk == json.loads(json.dumps(result))
-    _check_schema(on_disk, [8, 1024], [1.0, 25.0])
+    return on_disk
+
+
+@pytest.mark.slow
+def test_project_scaling_sanity_check_builds_the_reference_models(tmp_path):
+    """The whole script as ``make bench-full`` runs it: ResNet-101 and VGG-16 built at 224
+    (a few minutes on 2 cores) for the dense check against Horovod's figures."""
+    _check_schema(_project(tmp_path, True), [8, 1024], [1.0, 25.0])
+
+
+def test_sanity_check_projects_horovods_models_from_their_sizes():
+    report = pytest.importorskip("launch.scaling_report")
+    sizes = {"resnet101": 4 * 44_707_176, "vgg16": 4 * 138_357_544}  # their parameters
+    s = report.sanity_check(sizes, 50e-6, 0.5, report.GPU_COMPUTE_S)
+    _check_sanity(s)
+    vgg = next(e for e in s["entries"] if e["model"] == "vgg16")
+    resnet = next(e for e in s["entries"] if e["model"] == "resnet101")
+    assert vgg["comm_s"] > 3 * resnet["comm_s"]  # 3.1x the bytes on the same ring
+    assert report.sanity_check({}, 50e-6, 0.5, report.GPU_COMPUTE_S)["entries"] == []
+
+
+def test_project_scaling_writes_the_schema(tmp_path):
+    on_disk = _project(tmp_path, False)
+    _check_schema(on_disk, [8, 1024], [1.0, 25.0], sanity=False)
     # The dense ring all-reduce is flat in p while allgather's payload grows with it.
     rows = {(x["compute"], x["mode"], x["selection"], x["workers"], x["bandwidth_gbit"]): x
             for x in on_disk["projections"]}
