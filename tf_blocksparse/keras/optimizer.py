@@ -157,11 +157,14 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
         self._window: keras.Variable | None = None
         self._state_apart = False  # see replica_state_apart
 
+    #: True while Keras' own ``build`` runs (read by Keras' constructor before ours runs).
+    _base_building = False
+
     @property
     def gradient_accumulation_steps(self) -> int | None:
         """Micro-steps accumulated locally per exchange (``None``: one, every step)."""
         every = getattr(self, "accumulation_steps", 1)
-        return None if every == 1 or getattr(self, "_base_building", False) else every
+        return None if every == 1 or self._base_building else every
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: int | None) -> None:
