@@ -1,8 +1,9 @@
 """Architecture rules of the whole package, checked on the source.
 
 - Dependencies point inward: core modules (``tf_blocksparse/*.py``) import no adapter
-  (``tf_blocksparse.keras``, ``tf_blocksparse.distribute``), no Keras and nothing of the
-  repository's ``launch/`` or ``models/``; adapters import neither ``launch`` nor ``models``.
+  (``tf_blocksparse.keras``, ``tf_blocksparse.distribute``, ``tf_blocksparse.auto``), no
+  Keras and nothing of the repository's ``launch/`` or ``models/``; adapters import neither
+  ``launch`` nor ``models``.
 - ``tf_blocksparse.planning`` imports no TensorFlow, Keras or adapter, directly or through the
   package (checked in a fresh interpreter too).
 - The package's import graph (imports inside functions included) has no cycle.
@@ -22,7 +23,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "tf_blocksparse"
-ADAPTERS = ("tf_blocksparse.keras", "tf_blocksparse.distribute")
+ADAPTERS = ("tf_blocksparse.keras", "tf_blocksparse.distribute", "tf_blocksparse.auto")
 REPO_ONLY = ("launch", "models")
 COMPAT = PKG / "_compat.py"
 PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.tsl", "tensorflow.core")
@@ -49,7 +50,7 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 CORE = sorted(p for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_compat.py"))
 PLANNING = sorted((PKG / "planning").rglob("*.py"))
-ADAPTER_FILES = sorted([*(PKG / "keras").rglob("*.py"), *(PKG / "distribute").rglob("*.py")])
+ADAPTER_FILES = sorted(p for d in ("keras", "distribute", "auto") for p in (PKG / d).rglob("*.py"))
 REPO_PY = sorted(p for d in ("tf_blocksparse", "launch", "models")
                  for p in (ROOT / d).rglob("*.py"))
 

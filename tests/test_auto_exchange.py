@@ -8,9 +8,9 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tf_blocksparse import blocks
+from tf_blocksparse.auto.auto_exchange import fallback_mode
 from tf_blocksparse.exchange import run_exchange
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.keras.auto_exchange import fallback_mode
 from tf_blocksparse.keras.fit_loop import missing_fit_callbacks as _fit_callbacks
 from tf_blocksparse.keras.momentum import mask_sent
 

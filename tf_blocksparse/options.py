@@ -194,7 +194,7 @@ class CompressionOptions:
         dense all-reduce whatever ``exchange`` says, as PowerSGD's ``start_powerSGD_iter``:
         the early, fast-changing gradients are not delayed by error feedback.  Then the
         exchange switches once, its state moved exactly (see
-        :mod:`~tf_blocksparse.keras.mode_switch`); 0 (default): no dense phase.  Only the
+        :mod:`~tf_blocksparse.auto.mode_switch`); 0 (default): no dense phase.  Only the
         Keras optimizer wrapper counts steps (``model.fit`` switches by itself).
 
     Raises:

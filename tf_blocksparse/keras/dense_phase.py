@@ -8,7 +8,7 @@ weights and bytes, bit for bit).  Its end is one switch from dense, at an optimi
 boundary, made eagerly on every worker together: the inner SGD's momentum ``M`` moves into
 the per-replica velocities of momentum correction (``u = -M / (lr N)``, so the momentum
 continues), the residuals start at zero (nothing was delayed), and the step is re-traced
-(see :mod:`~tf_blocksparse.keras.mode_switch`).
+(see :mod:`~tf_blocksparse.auto.mode_switch`).
 
 ``model.fit`` ends it by itself: :class:`DensePhaseCallback` is added to its callbacks when
 the optimizer has a dense phase (:meth:`BlockSparseOptimizer.fit_callbacks`,

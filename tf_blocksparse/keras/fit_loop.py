@@ -4,7 +4,7 @@
 Two of the wrapper's features act *between* steps, eagerly and on every worker together,
 which a traced ``apply`` cannot do: the automatic exchange's re-decision (it times
 collectives, agrees on the figures and may re-trace the step:
-:class:`~tf_blocksparse.keras.auto_exchange.AutoExchangeCallback`) and the end of a dense
+:class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback`) and the end of a dense
 phase (it moves state and re-traces:
 :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback`).  Keras calls nothing of an
 optimizer between the steps of ``model.fit``; only callbacks run there.  So the wrapper

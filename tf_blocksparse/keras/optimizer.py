@@ -39,10 +39,11 @@ import tensorflow as tf
 
 from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
+from tf_blocksparse.auto import auto_exchange
+from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import auto_exchange, dense_phase, loss_scale, replica_state
+from tf_blocksparse.keras import dense_phase, loss_scale, replica_state
 from tf_blocksparse.keras import optimizer_step as step
-from tf_blocksparse.keras.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.momentum import MomentumCorrection
@@ -73,7 +74,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     ``BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))`` is the default: the
     exchange chosen from measurements of the running cluster (``exchange="auto"``: dense
     where compression does not pay, e.g. on a fast link, block-sparse where it does, see
-    :mod:`~tf_blocksparse.keras.auto_exchange`; ``model.fit`` re-decides after 20 steps),
+    :mod:`~tf_blocksparse.auto.auto_exchange`; ``model.fit`` re-decides after 20 steps),
     one block per variable and replica per step (``k=1``) when sparse, variables under 1024
     elements sent whole, the SGD's momentum moved before a sparse exchange.  ``exchange=
     "allgather"`` always compresses.
@@ -493,7 +494,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     def fit_callbacks(self, callbacks: Sequence[keras.callbacks.Callback] = ()
                       ) -> list[keras.callbacks.Callback]:
         """The callbacks ``model.fit`` needs for this optimizer that ``callbacks`` lacks:
-        an :class:`~tf_blocksparse.keras.auto_exchange.AutoExchangeCallback` with
+        an :class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback` with
         ``exchange="auto"`` and a choice (two or more candidates), a
         :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback` with ``dense_steps``.
 

@@ -1,7 +1,7 @@
 """Automatic exchange: per fusion group, dense all-reduce or a block-sparse exchange.
 
 Pure Python (no TensorFlow).  The inputs are measured on the running cluster elsewhere
-(:mod:`tf_blocksparse.distribute.link_probe`: the collectives are timed, the compression is
+(:mod:`tf_blocksparse.auto.link_probe`: the collectives are timed, the compression is
 timed per group) and passed in; this module only predicts and decides.  The step cost of
 each mode is the project's one cost model, :mod:`~tf_blocksparse.planning.link_cost` (its
 names are re-exported here): a :class:`LinkCost` fitted to the measured collectives prices

@@ -16,7 +16,7 @@ from what is measured on the running cluster:
    function when the choice changed.  ``model.fit`` adds one to its callbacks when they
    hold none (:mod:`~tf_blocksparse.keras.fit_loop`).  Error feedback stays exact across a
    switch: the owner's ``on_change`` moves the state
-   (:mod:`~tf_blocksparse.keras.mode_switch`: a group that turns dense has its residual
+   (:mod:`~tf_blocksparse.auto.mode_switch`: a group that turns dense has its residual
    applied once and its momentum moved into the inner SGD; with other inner optimizers it
    sends ``grad + residual`` in its first dense step).
 
@@ -39,7 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_blocksparse.distribute import link_probe
+from tf_blocksparse.auto import link_probe
 from tf_blocksparse.exchange import group_cost
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras.fit_loop import find_block_sparse
