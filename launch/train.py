@@ -182,7 +182,7 @@ def run(argv_flags=FLAGS) -> dict:
     def measuring_s() -> float:  # the automatic exchange's build-time measurements
         return 0.0 if opt.exchange_chooser is None else opt.exchange_chooser.measure_s
 
-    from tf_blocksparse.distribute.link_probe import barrier
+    from tf_blocksparse.auto.link_probe import barrier
 
     # count the build-time measurements as training time; start each epoch's clock once
     # every worker is done with the last epoch's evaluation and checkpoint (an all-reduce)

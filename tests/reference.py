@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("allgather", "shared", "dense")
+from tf_blocksparse.planning.link_cost import EXCHANGES as MODES
 
 
 def _view_shape(layout: Any) -> tuple[int, int, int]:

@@ -1,10 +1,12 @@
 """Architecture rules of the whole package, checked on the source.
 
 - Dependencies point inward: core modules (``tf_blocksparse/*.py``) import no adapter
-  (``tf_blocksparse.keras``, ``tf_blocksparse.distribute``), no Keras and nothing of the
-  repository's ``launch/`` or ``models/``; adapters import neither ``launch`` nor ``models``.
+  (``tf_blocksparse.keras``, ``tf_blocksparse.distribute``, ``tf_blocksparse.auto``), no
+  Keras and nothing of the repository's ``launch/`` or ``models/``; adapters import neither
+  ``launch`` nor ``models``.
 - ``tf_blocksparse.planning`` imports no TensorFlow, Keras or adapter, directly or through the
   package (checked in a fresh interpreter too).
+- The package's import graph (imports inside functions included) has no cycle.
 - Private TensorFlow / Keras APIs (``keras.src``, ``tf.__internal__``, ``tensorflow.python``,
   underscore attributes of other objects) are used only in ``tf_blocksparse/_compat.py``.
 """
@@ -23,7 +25,7 @@ from tests.versions import reads_keras_315_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "tf_blocksparse"
-ADAPTERS = ("tf_blocksparse.keras", "tf_blocksparse.distribute")
+ADAPTERS = ("tf_blocksparse.keras", "tf_blocksparse.distribute", "tf_blocksparse.auto")
 REPO_ONLY = ("launch", "models")
 COMPAT = PKG / "_compat.py"
 PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.tsl", "tensorflow.core")
@@ -50,7 +52,7 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 CORE = sorted(p for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_compat.py"))
 PLANNING = sorted((PKG / "planning").rglob("*.py"))
-ADAPTER_FILES = sorted([*(PKG / "keras").rglob("*.py"), *(PKG / "distribute").rglob("*.py")])
+ADAPTER_FILES = sorted(p for d in ("keras", "distribute", "auto") for p in (PKG / d).rglob("*.py"))
 REPO_PY = sorted(p for d in ("tf_blocksparse", "launch", "models")
                  for p in (ROOT / d).rglob("*.py"))
 
@@ -177,3 +179,76 @@ def test_private_apis_only_through_compat(path):
 
 def test_the_private_api_check_can_fail():
     assert _private_uses(COMPAT), "the check finds nothing even in _compat"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every ``tf_blocksparse`` module -> the package's modules it imports anywhere in its
+    source (at the top, inside functions or under ``if``): ``from package import module``
+    counts as importing the module, a relative import is resolved."""
+    paths = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    targets.add(full if full in paths else base)
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    """No module of ``tf_blocksparse`` imports, however indirectly, one that imports it back;
+    imports inside functions count (they would only hide a cycle)."""
+    graph = _import_graph()
+    assert "tf_blocksparse.keras.optimizer" in graph["tf_blocksparse.keras.callbacks"]
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(
+        " / ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in cycles)
+
+
+def test_the_cycle_check_can_fail():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]

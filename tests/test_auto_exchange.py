@@ -8,9 +8,10 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tf_blocksparse import blocks
+from tf_blocksparse.auto.auto_exchange import fallback_mode
 from tf_blocksparse.exchange import run_exchange
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.keras.auto_exchange import _fit_callbacks, fallback_mode
+from tf_blocksparse.keras.fit_loop import missing_fit_callbacks as _fit_callbacks
 from tf_blocksparse.keras.momentum import mask_sent
 
 X = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")

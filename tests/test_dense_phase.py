@@ -172,3 +172,24 @@ def test_dense_steps_config_round_trip_and_shells_that_count_no_steps():
     assert tfbs.CompressionOptions(k=2, exchange="shared", dense_steps=100) == opt.compression
     with pytest.raises(ValueError, match="dense_steps"):
         tfbs.BlockSparseCrossDeviceOps(dense_steps=10)
+
+
+def test_the_optimizer_names_the_callbacks_fit_adds():
+    """``opt.fit_callbacks(given)``: what ``model.fit`` adds for the optimizer (found under
+    loss scaling too), none that ``given`` holds, none for a fixed exchange without a dense
+    phase."""
+    from tf_blocksparse.keras.fit_loop import find_block_sparse, missing_fit_callbacks
+
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), dense_steps=3)
+    assert [type(c) for c in opt.fit_callbacks()] == [tfbs.AutoExchangeCallback,
+                                                      tfbs.DensePhaseCallback]
+    given = [tfbs.DensePhaseCallback()]
+    assert [type(c) for c in opt.fit_callbacks(given)] == [tfbs.AutoExchangeCallback]
+    fixed = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="allgather")
+    assert fixed.fit_callbacks() == []
+    scaled = keras.optimizers.LossScaleOptimizer(opt)
+    assert find_block_sparse(scaled) is opt and find_block_sparse(scaled.inner_optimizer) is opt
+    assert find_block_sparse(keras.optimizers.SGD(0.1)) is None
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(scaled, "mse")
+    assert [type(c) for c in missing_fit_callbacks(model, given)] == [tfbs.AutoExchangeCallback]

@@ -9,9 +9,9 @@ import pytest
 import tensorflow as tf
 
 from tf_blocksparse import blocks
-from tf_blocksparse.distribute import link_probe
+from tf_blocksparse.auto import link_probe
+from tf_blocksparse.auto.auto_exchange import ExchangeChooser
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.keras.auto_exchange import ExchangeChooser
 from tf_blocksparse.planning.exchange_cost import AutoExchange
 
 
@@ -118,7 +118,7 @@ def test_collective_probes_run_under_op_determinism():
         "cpu = tf.config.list_physical_devices('CPU')[0]\n"
         "logical = [tf.config.LogicalDeviceConfiguration()] * 2\n"
         "tf.config.set_logical_device_configuration(cpu, logical)\n"
-        "from tf_blocksparse.distribute import link_probe\n"
+        "from tf_blocksparse.auto import link_probe\n"
         "s = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])\n"
         "with s.scope():\n"
         "    t = link_probe.time_collectives(s, [('sum', 1024), ('gather', 4096)], 2)\n"

@@ -228,3 +228,25 @@ def test_project_scaling_rejects_bad_input():
         project_scaling.run(models=["resnet50"], workers=[0], out=None)
     with pytest.raises(ValueError, match="bandwidths_gbit"):
         project_scaling.run(models=["resnet50"], bandwidths_gbit=[0.0], out=None)
+
+
+def test_the_projection_prices_the_modes_with_the_one_cost_model():
+    """The scaling projection and the automatic exchange share one cost model: a
+    network's ring collectives are a ``LinkCost``, each mode's collectives ``mode_seconds``."""
+    from tf_blocksparse.planning.exchange_cost import CANDIDATES
+    from tf_blocksparse.planning.link_cost import EXCHANGES, GroupCost, LinkCost, mode_seconds
+
+    net = NetworkModel(8.0, alpha_s=A)
+    link = net.link(4)
+    assert link == LinkCost.ring(4, A, 1e9)
+    assert link.sum_seconds(1e6) == pytest.approx(ring_allreduce_time(1e6, 4, A, 1e9))
+    assert link.gather_seconds(1e6) == pytest.approx(allgather_time(1e6, 4, A, 1e9))
+    group = GroupCost(dense_bytes=4e6, id_bytes=4004, value_bytes=4e4, score_bytes=4e4)
+    for mode, sizes in (("dense", {"dense_bytes": 4e6}),
+                        ("allgather", {"id_bytes": 4004, "value_bytes": 4e4}),
+                        ("shared", {"score_bytes": 4e4, "value_bytes": 4e4})):
+        assert exchange_cost(mode, 4, net, 0.1, **sizes).comm_s == pytest.approx(
+            mode_seconds(link, group, mode))
+    assert scaling.MODES is CANDIDATES and sorted(CANDIDATES) == sorted(EXCHANGES)
+    with pytest.raises(ValueError, match="workers"):
+        net.link(0)

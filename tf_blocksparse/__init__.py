@@ -5,7 +5,8 @@ one options object), :mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.fee
 :mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.collectives`,
 :mod:`~tf_blocksparse.exchange` (the one exchange), :mod:`~tf_blocksparse.clipping`, and the
 TensorFlow-free planners of :mod:`tf_blocksparse.planning`.  Adapters:
-:mod:`tf_blocksparse.keras` and :mod:`tf_blocksparse.distribute`.  The local multi-worker
+:mod:`tf_blocksparse.keras`, :mod:`tf_blocksparse.distribute` and the automatic exchange
+:mod:`tf_blocksparse.auto`.  The local multi-worker
 launcher :mod:`tf_blocksparse.launcher` is the command ``tfbs-run``.
 
 Importing the package imports no TensorFlow: the public names below are loaded on first
@@ -30,7 +31,7 @@ from tf_blocksparse import planning as planning  # TensorFlow-free, imported eag
 #: Public name -> module that defines it.
 _EXPORTS = {
     "AutoExchange": "tf_blocksparse.planning.exchange_cost",
-    "AutoExchangeCallback": "tf_blocksparse.keras.auto_exchange",
+    "AutoExchangeCallback": "tf_blocksparse.auto.auto_exchange",
     "BackupAndRestore": "tf_blocksparse.keras.backup",
     "BlockLayout": "tf_blocksparse.blocks",
     "BlockRule": "tf_blocksparse.blocks",

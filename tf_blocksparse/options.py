@@ -8,7 +8,8 @@ raises a ``ValueError`` naming the argument.  Like ``tf.distribute``'s
 ``collective_util.Options`` it is immutable: :meth:`CompressionOptions.replace` returns a
 checked copy.
 
-Every mode string of the project lives here (the exchanges, metrics, granularities,
+Every mode string of the project lives here (the exchanges, re-exported from the cost model
+:mod:`~tf_blocksparse.planning.link_cost` that defines them, metrics, granularities,
 non-finite policies and momentum maskings).  This module is pure Python (no TensorFlow).
 """
 
@@ -23,10 +24,10 @@ from typing import Any
 from tf_blocksparse import blocks
 from tf_blocksparse.planning.exchange_cost import AutoExchange
 
-#: Exchanges: every replica its own top-k blocks, blocks agreed from summed scores, or a
-#: plain dense all-reduce (see :mod:`tf_blocksparse.exchange`).
-EXCHANGES = ("allgather", "shared", "dense")
-SPARSE_EXCHANGES = ("allgather", "shared")
+# The exchange modes are defined once, beside their cost model, and re-exported here.
+from tf_blocksparse.planning.link_cost import EXCHANGES as EXCHANGES
+from tf_blocksparse.planning.link_cost import SPARSE_EXCHANGES as SPARSE_EXCHANGES
+
 #: ``exchange="auto"``: per fusion group, the mode a cost model of measured link and
 #: compression times predicts fastest to accuracy (an :class:`AutoExchange` policy).
 AUTO_EXCHANGE = "auto"
@@ -193,7 +194,7 @@ class CompressionOptions:
         dense all-reduce whatever ``exchange`` says, as PowerSGD's ``start_powerSGD_iter``:
         the early, fast-changing gradients are not delayed by error feedback.  Then the
         exchange switches once, its state moved exactly (see
-        :mod:`~tf_blocksparse.keras.mode_switch`); 0 (default): no dense phase.  Only the
+        :mod:`~tf_blocksparse.auto.mode_switch`); 0 (default): no dense phase.  Only the
         Keras optimizer wrapper counts steps (``model.fit`` switches by itself).
 
     Raises:

@@ -3,22 +3,14 @@ TensorBoard."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import keras
 import tensorflow as tf
 
 from tf_blocksparse.distribute.strategy import worker_role
+from tf_blocksparse.keras.fit_loop import find_block_sparse
 from tf_blocksparse.keras.optimizer import BlockSparseOptimizer
 
-
-def find_block_sparse(optimizer: Any) -> BlockSparseOptimizer | None:
-    """The :class:`BlockSparseOptimizer` inside ``optimizer`` (e.g. under loss scaling)."""
-    while optimizer is not None:
-        if isinstance(optimizer, BlockSparseOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
+__all__ = ["BlockSparseMetrics", "find_block_sparse"]
 
 
 class BlockSparseMetrics(keras.callbacks.Callback):

@@ -8,10 +8,11 @@ weights and bytes, bit for bit).  Its end is one switch from dense, at an optimi
 boundary, made eagerly on every worker together: the inner SGD's momentum ``M`` moves into
 the per-replica velocities of momentum correction (``u = -M / (lr N)``, so the momentum
 continues), the residuals start at zero (nothing was delayed), and the step is re-traced
-(see :mod:`~tf_blocksparse.keras.mode_switch`).
+(see :mod:`~tf_blocksparse.auto.mode_switch`).
 
 ``model.fit`` ends it by itself: :class:`DensePhaseCallback` is added to its callbacks when
-the optimizer has a dense phase; after every batch it compares the optimizer's
+the optimizer has a dense phase (:meth:`BlockSparseOptimizer.fit_callbacks`,
+:mod:`~tf_blocksparse.keras.fit_loop`); after every batch it compares the optimizer's
 ``iterations`` (the steps applied: a step skipped as non-finite does not count) with ``N``,
 also at the start of training, so a run resumed from a backup past ``N`` switches before its
 first step.  With ``steps_per_execution > 1`` the switch waits for the end of the execution.
@@ -25,7 +26,9 @@ from typing import Any
 
 import keras
 
-__all__ = ["DensePhaseCallback", "fit_callbacks"]
+from tf_blocksparse.keras.fit_loop import find_block_sparse
+
+__all__ = ["DensePhaseCallback"]
 
 
 class DensePhaseCallback(keras.callbacks.Callback):
@@ -37,8 +40,6 @@ class DensePhaseCallback(keras.callbacks.Callback):
     """
 
     def _opt(self) -> Any:
-        from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
-
         return find_block_sparse(getattr(self.model, "optimizer", None))
 
     def _update(self) -> None:
@@ -52,15 +53,3 @@ class DensePhaseCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._update()
 
-
-def fit_callbacks(model: Any, callbacks: list) -> list:
-    """A :class:`DensePhaseCallback` for a Keras ``CallbackList`` of ``model`` whose optimizer
-    has a dense phase, and that holds none yet (the optimizer's module registers it with
-    :func:`tf_blocksparse._compat.extend_callback_lists`)."""
-    from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
-
-    opt = find_block_sparse(getattr(model, "optimizer", None))
-    if opt is None or not opt.compression.dense_steps or \
-            any(isinstance(c, DensePhaseCallback) for c in callbacks):
-        return []
-    return [DensePhaseCallback()]

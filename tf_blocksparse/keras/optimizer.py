@@ -39,10 +39,12 @@ import tensorflow as tf
 
 from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
+from tf_blocksparse.auto import auto_exchange
+from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import auto_exchange, dense_phase, loss_scale, replica_state
+from tf_blocksparse.keras import dense_phase, loss_scale, replica_state
 from tf_blocksparse.keras import optimizer_step as step
-from tf_blocksparse.keras.auto_runtime import AutoExchangeRuntime
+from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
 from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
@@ -66,13 +68,13 @@ STAT_NAMES = step.STAT_NAMES
 
 
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
-class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
+class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer with block-wise top-k gradient exchange and error feedback.
 
     ``BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))`` is the default: the
     exchange chosen from measurements of the running cluster (``exchange="auto"``: dense
     where compression does not pay, e.g. on a fast link, block-sparse where it does, see
-    :mod:`~tf_blocksparse.keras.auto_exchange`; ``model.fit`` re-decides after 20 steps),
+    :mod:`~tf_blocksparse.auto.auto_exchange`; ``model.fit`` re-decides after 20 steps),
     one block per variable and replica per step (``k=1``) when sparse, variables under 1024
     elements sent whole, the SGD's momentum moved before a sparse exchange.  ``exchange=
     "allgather"`` always compresses.
@@ -486,6 +488,25 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
             return False
         return self._auto.end_dense_phase()
 
+    def fit_callbacks(self, callbacks: Sequence[keras.callbacks.Callback] = ()
+                      ) -> list[keras.callbacks.Callback]:
+        """The callbacks ``model.fit`` needs for this optimizer that ``callbacks`` lacks:
+        an :class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback` with
+        ``exchange="auto"`` and a choice (two or more candidates), a
+        :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback` with ``dense_steps``.
+
+        ``model.fit`` adds them by itself (:mod:`~tf_blocksparse.keras.fit_loop`); a loop
+        that builds its own ``CallbackList`` passes ``[*mine, *opt.fit_callbacks(mine)]``.
+        """
+        out: list[keras.callbacks.Callback] = []
+        if self.compression.auto and not self.exchange.pinned and not any(
+                isinstance(c, auto_exchange.AutoExchangeCallback) for c in callbacks):
+            out.append(auto_exchange.AutoExchangeCallback())
+        if self.compression.dense_steps and not any(
+                isinstance(c, dense_phase.DensePhaseCallback) for c in callbacks):
+            out.append(dense_phase.DensePhaseCallback())
+        return out
+
     @property
     def exchange_chooser(self) -> auto_exchange.ExchangeChooser | None:
         """The automatic exchange's per-group chooser (``None`` for a fixed exchange)."""
@@ -578,5 +599,6 @@ class BlockSparseOptimizer(OptionsView, keras.optimizers.Optimizer):
 
 # An outer LossScaleOptimizer decides with the check every replica agrees on.
 _compat.delegate_loss_scale_check("agreed_finite")
-# model.fit ends a dense phase by itself.
-_compat.extend_callback_lists(dense_phase.fit_callbacks)
+# model.fit gets the callbacks the optimizer needs (re-decisions of the automatic exchange, the
+# end of a dense phase) without the user adding them: see tf_blocksparse.keras.fit_loop.
+_compat.extend_callback_lists(missing_fit_callbacks)

@@ -24,7 +24,7 @@ from typing import Any
 
 import keras
 
-from tf_blocksparse.keras.callbacks import find_block_sparse
+from tf_blocksparse.keras.fit_loop import find_block_sparse
 
 
 class DensityWarmup(keras.callbacks.Callback):

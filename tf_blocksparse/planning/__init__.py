@@ -10,9 +10,13 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
   bandwidth-oblivious baselines, and the GPipe / 1F1B schedule simulator.
 - :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement on devices and
   expanded memory.
-- :mod:`~tf_blocksparse.planning.scaling`: alpha-beta cost model of the exchanges.
-- :mod:`~tf_blocksparse.planning.exchange_cost`: the automatic exchange's policy and cost
-  model over measured collective and compression times.
+- :mod:`~tf_blocksparse.planning.link_cost`: the one cost model of the exchange modes
+  (collectives as ``latency + bytes * seconds_per_byte``, each mode's collectives per step)
+  and the mode names.
+- :mod:`~tf_blocksparse.planning.exchange_cost`: the automatic exchange's policy over
+  measured collective and compression times.
+- :mod:`~tf_blocksparse.planning.scaling`: projected scaling efficiency, the cost model's
+  links derived from Hockney's alpha-beta ring model.
 - Shared inputs: :mod:`~tf_blocksparse.planning.profile` (per-layer model profiles) and
   :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths).
 """

@@ -1,19 +1,11 @@
 """Automatic exchange: per fusion group, dense all-reduce or a block-sparse exchange.
 
 Pure Python (no TensorFlow).  The inputs are measured on the running cluster elsewhere
-(:mod:`tf_blocksparse.distribute.link_probe`: the collectives are timed, the compression is
-timed per group) and passed in; this module only predicts and decides.
-
-Cost model per fusion group ``g`` (seconds per step)::
-
-    dense      sum(D_g)
-    allgather  c_g + sum(W_g) + 2 gather_latency + gather(I_g + V_g)
-    shared     c_g + sum(W_g) + sum(S_g) + sum(V_g)
-
-with ``sum(n) = a_s + b_s n`` and ``gather(n) = a_g + b_g n`` fitted to the measured
-collectives (:class:`LinkCost`), ``D_g`` the group's dense bytes, ``W_g`` the bytes of its
-variables sent whole, ``I_g``/``V_g``/``S_g`` one replica's block ids, block values and block
-scores, and ``c_g`` the measured compression time (accumulate, score, select, residual).
+(:mod:`tf_blocksparse.auto.link_probe`: the collectives are timed, the compression is
+timed per group) and passed in; this module only predicts and decides.  The step cost of
+each mode is the project's one cost model, :mod:`~tf_blocksparse.planning.link_cost` (its
+names are re-exported here): a :class:`LinkCost` fitted to the measured collectives prices
+every fusion group's :class:`GroupCost` per mode (:func:`mode_seconds`).
 
 Error feedback delays what is not sent, so a sparse exchange needs more steps to reach the
 same accuracy.  The decision therefore minimises the *time to accuracy*, not the step time::
@@ -37,171 +29,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tf_blocksparse.planning.link_cost import (
+    EXCHANGES,
+    SPARSE_EXCHANGES,
+    GroupCost,
+    LinkCost,
+    count,
+    exchange_seconds,
+    merge_runs,
+    mode_seconds,
+    number,
+)
 
 __all__ = ["CANDIDATES", "AutoExchange", "ExchangeDecision", "GroupCost", "LinkCost",
            "exchange_seconds", "merge_runs", "mode_seconds"]
 
-T = TypeVar("T")
-
-#: The modes an automatic exchange may choose from.
-CANDIDATES = ("dense", "allgather", "shared")
-_SPARSE = ("allgather", "shared")
+#: The modes an automatic exchange may choose from: :data:`EXCHANGES`, dense first (the
+#: order of a default policy's ``candidates`` in a saved config).
+CANDIDATES = (EXCHANGES[-1], *SPARSE_EXCHANGES)
 #: Default extra steps of a fully sparse exchange per mode (module docstring).
 _CONVERGENCE_COST = {"allgather": 0.5, "shared": 0.8}
-
-
-def _number(name: str, value: Any, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0 or (positive and value <= 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"`{name}` must be a finite number {bound}, got {value!r}")
-    return float(value)
-
-
-def _count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkCost:
-    """Measured collective times as ``latency + bytes * seconds_per_byte``.
-
-    Attributes:
-      sum_latency_s: Fixed cost of one all-reduce (seconds).
-      sum_s_per_byte: Its cost per byte of the reduced buffer.
-      gather_latency_s: Fixed cost of one all-gather.
-      gather_s_per_byte: Its cost per byte that *one* replica contributes.
-    """
-
-    sum_latency_s: float
-    sum_s_per_byte: float
-    gather_latency_s: float
-    gather_s_per_byte: float
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _number(f.name, getattr(self, f.name))
-
-    @classmethod
-    def fit(cls, sizes: Sequence[int], sum_s: Sequence[float], gather_s: Sequence[float],
-            gather_sizes: Sequence[int] | None = None) -> LinkCost:
-        """Least-squares lines through the probes (``sizes[i]`` bytes took ``sum_s[i]``
-        seconds, ``gather_sizes[i]`` (default ``sizes``) took ``gather_s[i]``); negative
-        intercepts and slopes are clamped to 0.
-
-        Raises:
-          ValueError: Fewer than two distinct sizes, or mismatched lengths.
-        """
-        gather_sizes = sizes if gather_sizes is None else gather_sizes
-        for name, xs, ys in (("sizes", sizes, sum_s), ("gather_sizes", gather_sizes, gather_s)):
-            if len(xs) != len(ys) or len(set(xs)) < 2:
-                raise ValueError(f"`{name}` needs at least two distinct sizes and one time "
-                                 f"per size; got {list(xs)!r} and {len(ys)} times")
-        return cls(*_line(sizes, sum_s), *_line(gather_sizes, gather_s))
-
-    def sum_seconds(self, nbytes: float) -> float:
-        """One all-reduce of ``nbytes`` (0 for an empty buffer: no collective runs)."""
-        return self.sum_latency_s + self.sum_s_per_byte * nbytes if nbytes > 0 else 0.0
-
-    def gather_seconds(self, nbytes: float) -> float:
-        """One all-gather of ``nbytes`` per replica (0 for an empty buffer)."""
-        return self.gather_latency_s + self.gather_s_per_byte * nbytes if nbytes > 0 else 0.0
-
-    @property
-    def sum_mbit_s(self) -> float:
-        """Effective all-reduce rate in Mbit/s of reduced buffer (inf when free)."""
-        return math.inf if self.sum_s_per_byte == 0 else 8e-6 / self.sum_s_per_byte
-
-
-def _line(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float]:
-    """``(intercept, slope)`` of the least-squares line, both clamped to >= 0."""
-    n = len(xs)
-    mx, my = math.fsum(xs) / n, math.fsum(ys) / n
-    var = math.fsum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var)
-    return max(0.0, my - slope * mx), slope
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupCost:
-    """One fusion group's sizes (bytes one replica hands over) and compression time.
-
-    Attributes:
-      dense_bytes: All its gradients, the dense all-reduce's buffer.
-      whole_bytes: Its variables sent whole by the sparse modes (summed densely).
-      id_bytes: Allgather's id buffer (4 per kept block, plus the 4-byte flag).
-      value_bytes: The kept blocks' values.
-      score_bytes: Shared mode's score buffer (4 per block).
-      compress_s: Measured accumulate + score + select + residual time.
-    """
-
-    dense_bytes: int
-    whole_bytes: int = 0
-    id_bytes: int = 0
-    value_bytes: int = 0
-    score_bytes: int = 0
-    compress_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _number(f.name, getattr(self, f.name))
-
-    @property
-    def delayed_bytes(self) -> int:
-        """Bytes under error feedback when this group is sparse (all but the whole)."""
-        return self.dense_bytes - self.whole_bytes
-
-
-def mode_seconds(link: LinkCost, group: GroupCost, mode: str) -> float:
-    """Predicted seconds per step of ``group``'s exchange in ``mode`` (module docstring)."""
-    if mode == "dense":
-        return link.sum_seconds(group.dense_bytes)
-    sparse = group.value_bytes > 0
-    base = group.compress_s + link.sum_seconds(group.whole_bytes)
-    if mode == "allgather":
-        return base + (link.gather_seconds(group.id_bytes)
-                       + link.gather_seconds(group.value_bytes) if sparse else 0.0)
-    if mode == "shared":
-        return base + (link.sum_seconds(group.score_bytes)
-                       + link.sum_seconds(group.value_bytes) if sparse else 0.0)
-    raise ValueError(f"`mode` must be one of {CANDIDATES}, got {mode!r}")
-
-
-def _join(a: GroupCost, b: GroupCost) -> GroupCost:
-    """Two adjacent groups exchanged as one (one id buffer keeps one non-finite flag)."""
-    flag = 4 if a.id_bytes and b.id_bytes else 0
-    return GroupCost(a.dense_bytes + b.dense_bytes, a.whole_bytes + b.whole_bytes,
-                     a.id_bytes + b.id_bytes - flag, a.value_bytes + b.value_bytes,
-                     a.score_bytes + b.score_bytes, a.compress_s + b.compress_s)
-
-
-def merge_runs(items: Sequence[T], modes: Sequence[str], join: Callable[[T, T], T]
-               ) -> tuple[list[T], list[str]]:
-    """Joins adjacent items (fusion groups, in backward order) that use the same mode, so
-    each run of a mode is exchanged once (one set of collectives).  The optimizer wrapper
-    merges its groups' variables with it and :func:`exchange_seconds` their costs, so the
-    model prices exactly what runs."""
-    out: list[T] = []
-    out_modes: list[str] = []
-    for item, mode in zip(items, modes):
-        if out_modes and out_modes[-1] == mode:
-            out[-1] = join(out[-1], item)
-        else:
-            out.append(item)
-            out_modes.append(mode)
-    return out, out_modes
-
-
-def exchange_seconds(link: LinkCost, groups: Sequence[GroupCost], modes: Sequence[str]
-                     ) -> float:
-    """Predicted seconds per step of all groups' exchanges with ``modes``; adjacent groups
-    with the same mode are exchanged together (:func:`merge_runs`)."""
-    runs, run_modes = merge_runs(groups, modes, _join)
-    return math.fsum(mode_seconds(link, g, m) for g, m in zip(runs, run_modes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,15 +160,15 @@ class AutoExchange:
         if isinstance(cost, tuple) and all(isinstance(p, tuple) for p in cost):
             cost = dict(cost)
         if isinstance(cost, Mapping):
-            unknown = set(cost) - set(_SPARSE)
+            unknown = set(cost) - set(SPARSE_EXCHANGES)
             if unknown:
-                raise ValueError(f"`convergence_cost` takes the sparse modes {_SPARSE}, "
+                raise ValueError(f"`convergence_cost` takes the sparse modes {SPARSE_EXCHANGES}, "
                                  f"got {sorted(unknown)}")
-            pairs = tuple((m, _number(f"convergence_cost[{m!r}]",
-                                      cost.get(m, _CONVERGENCE_COST[m]))) for m in _SPARSE)
+            pairs = tuple((m, number(f"convergence_cost[{m!r}]",
+                                      cost.get(m, _CONVERGENCE_COST[m]))) for m in SPARSE_EXCHANGES)
         else:
-            value = _number("convergence_cost", cost)
-            pairs = tuple((m, value) for m in _SPARSE)
+            value = number("convergence_cost", cost)
+            pairs = tuple((m, value) for m in SPARSE_EXCHANGES)
         # stored as ((mode, cost), ...): the policy stays hashable
         object.__setattr__(self, "convergence_cost", pairs)
         sizes = self.probe_bytes
@@ -328,13 +178,13 @@ class AutoExchange:
             raise ValueError(f"`probe_bytes` must hold two or more distinct ints >= 4, "
                              f"got {sizes!r}")
         object.__setattr__(self, "probe_bytes", tuple(sorted(sizes)))
-        _count("probe_repeats", self.probe_repeats, 1)
-        _number("probe_seconds", self.probe_seconds)
-        _count("warmup_steps", self.warmup_steps, 1)
-        _count("remeasure_steps", self.remeasure_steps, 0)
-        if _number("hysteresis", self.hysteresis) >= 1:
+        count("probe_repeats", self.probe_repeats, 1)
+        number("probe_seconds", self.probe_seconds)
+        count("warmup_steps", self.warmup_steps, 1)
+        count("remeasure_steps", self.remeasure_steps, 0)
+        if number("hysteresis", self.hysteresis) >= 1:
             raise ValueError(f"`hysteresis` must be in [0, 1), got {self.hysteresis!r}")
-        _number("compute_prior", self.compute_prior)
+        number("compute_prior", self.compute_prior)
 
     def decide(self, link: LinkCost, groups: Sequence[GroupCost], compute_s: float = 0.0,
                current: Sequence[str] | None = None, *, hysteresis: bool = True,
@@ -355,11 +205,11 @@ class AutoExchange:
             objective(current))`` seconds: the same progress in fewer seconds.
         """
         groups = tuple(groups)
-        compute_s = _number("compute_s", compute_s)
-        switch_s = _number("switch_s", switch_s)
+        compute_s = number("compute_s", compute_s)
+        switch_s = number("switch_s", switch_s)
         if steps_left is not None:
-            steps_left = _number("steps_left", steps_left)
-        sparse = [m for m in self.candidates if m in _SPARSE]
+            steps_left = number("steps_left", steps_left)
+        sparse = [m for m in self.candidates if m in SPARSE_EXCHANGES]
         cost = self.convergence_cost_of
 
         def evaluate(modes: Sequence[str]) -> tuple[float, float]:
@@ -411,7 +261,7 @@ class AutoExchange:
           ValueError: ``modes`` does not hold one of :data:`CANDIDATES` per group.
         """
         groups = tuple(groups)
-        compute_s = _number("compute_s", compute_s)
+        compute_s = number("compute_s", compute_s)
         if len(modes) != len(groups) or any(m not in CANDIDATES for m in modes):
             raise ValueError(f"`modes` must hold one of {CANDIDATES} per group "
                              f"({len(groups)}), got {list(modes)!r}")

@@ -12,7 +12,12 @@ Model (Hockney's alpha-beta, bandwidth-optimal ring algorithms, ``p`` workers, o
     allgather mode (ids i, values v)      allgather(i) + allgather(v)
     dense                                 allreduce(all gradient bytes)
 
-Every collective pays its own latency term: the *fused* variant packs each buffer kind of
+The collectives are priced by the project's one cost model,
+:class:`~tf_blocksparse.planning.link_cost.LinkCost` (:meth:`~LinkCost.ring` derives its
+lines from ``alpha`` and ``B``), and each mode's collectives by its
+:func:`~tf_blocksparse.planning.link_cost.mode_seconds`, which the automatic exchange's
+policy uses too.  Every collective pays its own latency term (a buffer of 0 bytes runs no
+collective and costs nothing): the *fused* variant packs each buffer kind of
 all variables into one collective (what :mod:`tf_blocksparse.exchange` does: two collectives
 per step for the sparse modes, and what Horovod's tensor fusion does for dense), the
 *per-tensor* variant runs one collective per variable and buffer kind.
@@ -36,9 +41,13 @@ buffers are the same size on every worker (true here: ``k`` is static per variab
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tf_blocksparse.planning.exchange_cost import CANDIDATES
+from tf_blocksparse.planning.link_cost import GroupCost, LinkCost, mode_seconds
 
 __all__ = [
     "BITS_PER_BYTE", "MODES", "ExchangeCost", "NetworkModel", "allgather_mode_time",
@@ -47,8 +56,8 @@ __all__ = [
 ]
 
 BITS_PER_BYTE = 8
-#: Exchange modes known to :func:`exchange_cost`.
-MODES = ("dense", "allgather", "shared")
+#: Exchange modes known to :func:`exchange_cost` (the automatic exchange's candidates).
+MODES = CANDIDATES
 
 
 def _check_workers(workers: int) -> int:
@@ -68,6 +77,14 @@ def _check_positive(name: str, value: float) -> float:
     if _check_nonneg(name, value) <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
     return float(value)
+
+
+def _link(workers: int, alpha_s: float, bandwidth_bytes_per_s: float) -> LinkCost:
+    """The ring collectives' :class:`LinkCost` (arguments checked, named as here)."""
+    p = _check_workers(workers)
+    a = _check_nonneg("alpha_s", alpha_s)
+    b = _check_positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    return LinkCost.ring(p, a, b)
 
 
 def ring_allreduce_time(nbytes: float, workers: int, alpha_s: float,
@@ -90,10 +107,7 @@ def ring_allreduce_time(nbytes: float, workers: int, alpha_s: float,
             bandwidth <= 0.
     """
     n = _check_nonneg("nbytes", nbytes)
-    p = _check_workers(workers)
-    a = _check_nonneg("alpha_s", alpha_s)
-    b = _check_positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
-    return 2 * (p - 1) * a + 2 * (p - 1) / p * n / b
+    return _link(workers, alpha_s, bandwidth_bytes_per_s).sum_seconds(n)
 
 
 def allgather_time(nbytes_per_worker: float, workers: int, alpha_s: float,
@@ -113,10 +127,7 @@ def allgather_time(nbytes_per_worker: float, workers: int, alpha_s: float,
         ValueError: As :func:`ring_allreduce_time` (``nbytes_per_worker`` named).
     """
     n = _check_nonneg("nbytes_per_worker", nbytes_per_worker)
-    p = _check_workers(workers)
-    a = _check_nonneg("alpha_s", alpha_s)
-    b = _check_positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
-    return (p - 1) * a + (p - 1) * n / b
+    return _link(workers, alpha_s, bandwidth_bytes_per_s).gather_seconds(n)
 
 
 def _buffers(name: str, sizes: float | Sequence[float], fused: bool) -> list[float]:
@@ -129,6 +140,19 @@ def _buffers(name: str, sizes: float | Sequence[float], fused: bool) -> list[flo
     if not vals:
         return []
     return [math.fsum(vals)] if fused else vals
+
+
+def _mode_time(mode: str, workers: int, alpha_s: float, bandwidth_bytes_per_s: float,
+               **buffers: list[float]) -> float:
+    """``mode``'s seconds by :func:`mode_seconds` over the ring's :class:`LinkCost`: the
+    ``i``-th buffer of every kind (``dense_bytes``, ``id_bytes``, ``score_bytes``,
+    ``value_bytes``, as :class:`GroupCost` names them) is one group (one per variable, or
+    one in all when fused)."""
+    link = _link(workers, alpha_s, bandwidth_bytes_per_s)
+    groups = itertools.zip_longest(*buffers.values(), fillvalue=0.0)
+    return math.fsum(mode_seconds(link, GroupCost(**{"dense_bytes": 0.0,
+                                                     **dict(zip(buffers, sizes))}), mode)
+                     for sizes in groups)
 
 
 def dense_mode_time(tensor_bytes: float | Sequence[float], workers: int, alpha_s: float,
@@ -145,8 +169,8 @@ def dense_mode_time(tensor_bytes: float | Sequence[float], workers: int, alpha_s
     Raises:
         ValueError: Bad sizes, ``workers``, ``alpha_s`` or bandwidth.
     """
-    return math.fsum(ring_allreduce_time(n, workers, alpha_s, bandwidth_bytes_per_s)
-                     for n in _buffers("tensor_bytes", tensor_bytes, fused))
+    return _mode_time("dense", workers, alpha_s, bandwidth_bytes_per_s,
+                      dense_bytes=_buffers("tensor_bytes", tensor_bytes, fused))
 
 
 def shared_mode_time(score_bytes: float | Sequence[float], value_bytes: float | Sequence[float],
@@ -167,10 +191,9 @@ def shared_mode_time(score_bytes: float | Sequence[float], value_bytes: float | 
     Raises:
         ValueError: Bad sizes, ``workers``, ``alpha_s`` or bandwidth.
     """
-    bufs = (_buffers("score_bytes", score_bytes, fused)
-            + _buffers("value_bytes", value_bytes, fused))
-    return math.fsum(ring_allreduce_time(n, workers, alpha_s, bandwidth_bytes_per_s)
-                     for n in bufs)
+    return _mode_time("shared", workers, alpha_s, bandwidth_bytes_per_s,
+                      score_bytes=_buffers("score_bytes", score_bytes, fused),
+                      value_bytes=_buffers("value_bytes", value_bytes, fused))
 
 
 def allgather_mode_time(id_bytes: float | Sequence[float], value_bytes: float | Sequence[float],
@@ -190,8 +213,9 @@ def allgather_mode_time(id_bytes: float | Sequence[float], value_bytes: float | 
     Raises:
         ValueError: Bad sizes, ``workers``, ``alpha_s`` or bandwidth.
     """
-    bufs = _buffers("id_bytes", id_bytes, fused) + _buffers("value_bytes", value_bytes, fused)
-    return math.fsum(allgather_time(n, workers, alpha_s, bandwidth_bytes_per_s) for n in bufs)
+    return _mode_time("allgather", workers, alpha_s, bandwidth_bytes_per_s,
+                      id_bytes=_buffers("id_bytes", id_bytes, fused),
+                      value_bytes=_buffers("value_bytes", value_bytes, fused))
 
 
 def scaling_efficiency(compute_s: float, comm_s: float, overlap: float = 0.0,
@@ -241,6 +265,15 @@ class NetworkModel:
     def bandwidth_bytes_per_s(self) -> float:
         """The rate in bytes per second."""
         return self.bandwidth_gbit * 1e9 / BITS_PER_BYTE
+
+    def link(self, workers: int) -> LinkCost:
+        """The ring collectives among ``workers`` on this network, as the cost model's
+        :class:`LinkCost` (:meth:`LinkCost.ring`).
+
+        Raises:
+          ValueError: ``workers`` not an int >= 1.
+        """
+        return _link(workers, self.alpha_s, self.bandwidth_bytes_per_s)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@
 
 One :class:`AutoExchangeRuntime` per optimizer holds the parts of the step that depend on the
 mode of each fusion group: with ``exchange="auto"`` the
-:class:`~tf_blocksparse.keras.auto_exchange.ExchangeChooser` (measurements and the mode of
+:class:`~tf_blocksparse.auto.auto_exchange.ExchangeChooser` (measurements and the mode of
 every group), during a dense phase (``dense_steps``) the dense mode for every group, where a
 group's momentum lives in each mode, and the state that moves when a group changes mode
-(:mod:`~tf_blocksparse.keras.mode_switch`).  The optimizer asks it three things per step:
+(:mod:`~tf_blocksparse.auto.mode_switch`).  The optimizer asks it three things per step:
 which variables carry no per-replica state (dense groups flushed at their switch), which
 variables' momentum the inner SGD applies (dense groups), and how the fusion groups are
 exchanged (adjacent groups of one mode share one set of collectives).
@@ -27,9 +27,9 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat
+from tf_blocksparse.auto import mode_switch
+from tf_blocksparse.auto.auto_exchange import ExchangeChooser, can_measure
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.keras import mode_switch
-from tf_blocksparse.keras.auto_exchange import ExchangeChooser, can_measure
 from tf_blocksparse.planning.exchange_cost import ExchangeDecision, merge_runs
 
 __all__ = ["AutoExchangeRuntime"]
@@ -159,7 +159,7 @@ class AutoExchangeRuntime:
 
     def _move(self, old: Sequence[str], new: Sequence[str]) -> None:
         """Moves per-group state between its dense and sparse homes (eagerly, every worker
-        together; see :mod:`~tf_blocksparse.keras.mode_switch`)."""
+        together; see :mod:`~tf_blocksparse.auto.mode_switch`)."""
         owner, groups, strategy = self._owner, self._groups, self._strategy
         inner = owner.inner_optimizer
         leaving = [i for g, a, b in zip(groups, old, new) if a == "dense" != b for i in g]

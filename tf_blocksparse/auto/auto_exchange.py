@@ -14,10 +14,11 @@ from what is measured on the running cluster:
 2. :class:`AutoExchangeCallback` re-decides after ``warmup_steps`` and then every
    ``remeasure_steps`` steps with the measured step time, and has Keras re-trace the train
    function when the choice changed.  ``model.fit`` adds one to its callbacks when they
-   hold none.  Error feedback stays exact across a switch: the
-   owner's ``on_change`` moves the state (:mod:`~tf_blocksparse.keras.mode_switch`: a group
-   that turns dense has its residual applied once and its momentum moved into the inner
-   SGD; with other inner optimizers it sends ``grad + residual`` in its first dense step).
+   hold none (:mod:`~tf_blocksparse.keras.fit_loop`).  Error feedback stays exact across a
+   switch: the owner's ``on_change`` moves the state
+   (:mod:`~tf_blocksparse.auto.mode_switch`: a group that turns dense has its residual
+   applied once and its momentum moved into the inner SGD; with other inner optimizers it
+   sends ``grad + residual`` in its first dense step).
 
 Without a strategy (one replica) every group is dense and nothing is measured; a policy of
 one candidate (a pinned mode) measures nothing either.  Built
@@ -38,10 +39,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_blocksparse import _compat
-from tf_blocksparse.distribute import link_probe
+from tf_blocksparse.auto import link_probe
 from tf_blocksparse.exchange import group_cost
 from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.keras.fit_loop import find_block_sparse
 from tf_blocksparse.planning.exchange_cost import (
     CANDIDATES,
     AutoExchange,
@@ -227,8 +228,9 @@ class AutoExchangeCallback(keras.callbacks.Callback):
     must beat the current one by the policy's ``hysteresis``.  Every worker runs callbacks,
     so every worker takes part in the measurements.  When it changed, the train function is
     re-traced.  ``model.fit`` adds one by itself when the model's optimizer exchanges with
-    ``exchange="auto"`` (the default) and ``callbacks=`` holds none; give one to read its
-    :attr:`decisions`.  With any other exchange it does nothing.
+    ``exchange="auto"`` (the default) and ``callbacks=`` holds none
+    (:meth:`BlockSparseOptimizer.fit_callbacks`, :mod:`~tf_blocksparse.keras.fit_loop`);
+    give one to read its :attr:`decisions`.  With any other exchange it does nothing.
 
     Attributes:
       initial: The decision in use when training began (the build-time one), or ``None``.
@@ -247,8 +249,6 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         self.initial: ExchangeDecision | None = None
 
     def _opt(self) -> Any:
-        from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
-
         opt = find_block_sparse(getattr(self.model, "optimizer", None))
         return opt if opt is not None and opt.exchange_chooser is not None else None
 
@@ -308,19 +308,3 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         self._window_start = self._totals(opt)
         self._walls = []
 
-
-def _fit_callbacks(model: Any, callbacks: list) -> list:
-    """An :class:`AutoExchangeCallback` for a Keras ``CallbackList`` of ``model`` whose
-    optimizer exchanges with ``exchange="auto"`` (with a choice: two or more candidates)
-    and that holds none yet."""
-    from tf_blocksparse.keras.callbacks import find_block_sparse  # imports the optimizer
-
-    opt = find_block_sparse(getattr(model, "optimizer", None))
-    if opt is None or not opt.compression.auto or opt.exchange.pinned or \
-            any(isinstance(c, AutoExchangeCallback) for c in callbacks):
-        return []
-    return [AutoExchangeCallback()]
-
-
-# model.fit re-decides without the user adding the callback (one is added where missing)
-_compat.extend_callback_lists(_fit_callbacks)
