@@ -66,7 +66,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("timing_epochs", 3, "Epochs of the timing runs.", lower_bound=2)
     flags.DEFINE_float("density", 0.05, "Density of methods that take one.")
     flags.DEFINE_list("check", [], "MODEL:RATE:METHOD:SEED runs to train directly.")
-    flags.DEFINE_boolean("resume", True, "Keep timings of OUT's file with the same set-up.")
+    flags.DEFINE_boolean("resume", True, "Keep the timings and checks of OUT's file with "
+                         "the same set-up, those of other models, rates and methods too.")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
 
 
@@ -129,7 +130,8 @@ def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
     Args:
       curves: ``{(model, method): {seed: accuracy curve}}``.
       timings: ``{(model, rate, method): epoch_parts(...)}``.
-      models, rates, methods: What to compose (dense must be among ``methods``).
+      models, rates, methods: What to compose: every model x rate with dense timed, and
+        its methods that are timed.
       target_drop: Target below dense's converged mean.
 
     Returns:
@@ -143,9 +145,9 @@ def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
         dense = curves[(model, "dense")]
         target = statistics.fmean(c[-1] for c in dense.values()) - target_drop
         targets[model] = round(target, 4)
-        for rate in rates:
+        for rate in [r for r in rates if (model, r, "dense") in timings]:
             base: dict[int, dict] = {}
-            for method in methods:
+            for method in [m for m in methods if (model, rate, m) in timings]:
                 parts = timings[(model, rate, method)]
                 rows = []
                 source = parts.get("curves_of", method)
@@ -247,11 +249,20 @@ def main(argv: list[str]) -> None:
                                                          "flags", "provenance")}})
                 print(json.dumps({"model": model, "rate": rate, "method": method,
                                   **timings[key]}), flush=True)
-    records, summary, targets = compose(curves, timings, f.models, rates, f.methods,
+    for key, run in old.items():  # timings of other models, rates and methods stay
+        if key not in timings:
+            timings[key] = run["parts"]
+            runs.append(run)
+    models = list(dict.fromkeys([*f.models, *(k[0] for k in timings)]))
+    methods = list(dict.fromkeys([*f.methods, *(k[2] for k in timings)]))
+    records, summary, targets = compose(curves, timings, models,
+                                        sorted({k[1] for k in timings}), methods,
                                         f.target_drop)
     checks = [old_checks[entry] if entry in old_checks and
               old_checks[entry]["target"] == targets.get(entry.split(":")[0])
               else _check(entry, curves, timings, targets, budget, f) for entry in f.check]
+    checks += [c for entry, c in old_checks.items()  # earlier checks at the same targets
+               if entry not in f.check and c["target"] == targets.get(entry.split(":")[0])]
     doc = {"budget": {"setup": setup, "targets": targets,
                       "target_rule": f"dense's converged mean test accuracy (rule: "
                                      f"{budget.get('rule')}) minus {f.target_drop * 100:.1f} "

@@ -49,3 +49,17 @@ def test_the_automatic_exchange_takes_the_curves_of_the_mode_it_chose():
     assert bw.curves_of("block_auto_default", {"auto_modes": ["allgather"] * 2}) == \
         "block_default"
     assert bw.curves_of("block_auto_default", {"auto_modes": ["dense", "allgather"]}) is None
+
+
+def test_compose_takes_the_groups_that_were_timed():
+    """A results file gathers models timed at different rates (and methods) over several
+    runs of the bench; each model x rate with dense timed is composed, with its methods."""
+    curves = {("m", "dense"): {0: [0.5, 0.9]}, ("m", "block"): {0: [0.9, 0.9]}}
+    parts = {"epoch_wall_s": 10.0, "epoch_train_s": 8.0, "one_time_s": 5.0, "eval_s": 1.0,
+             "backup_s": 0.5}
+    timings = {("m", 30.0, "dense"): parts, ("m", 30.0, "block"): parts,
+               ("m", 300.0, "dense"): parts, ("m", 1000.0, "block"): parts}
+    _, summary, _ = bw.compose(curves, timings, ["m"], [30.0, 300.0, 1000.0],
+                               ["dense", "block"], 0.003)
+    assert [(r["bandwidth_mbit"], r["method"]) for r in summary] == [
+        (30.0, "dense"), (30.0, "block"), (300.0, "dense")]
