@@ -109,11 +109,15 @@ bench-full: venv data
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=resnet20 --epochs=12 --seeds=0,1,2
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0,1,2
+	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0 --methods=block_allgather --density=0.03
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=100,1000 \
-			--methods=dense,block_default --convergence=$(BENCH)/convergence.json \
-			--check=cnn_small:100:block_default:0 --out=$(BENCH); \
+			--methods=dense,block_default,block_auto_default --convergence=$(BENCH)/convergence.json \
+			--check=gru_nmt:100:block_default:0 --out=$(BENCH) && \
+		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=30,300 \
+			--methods=dense,block_default,block_auto_default \
+			--convergence=$(BENCH)/convergence.json --out=$(BENCH); \
 	else echo "bench-full: backup and wall-clock benches skipped (need root for network namespaces)"; fi
 	@echo "bench-full: the early-training groups of time_to_accuracy_early.json and convergence_early.json"
 	@echo "have their own commands in docs/results.md"
