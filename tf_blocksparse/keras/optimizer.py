@@ -37,7 +37,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import _compat, blocks
+from tf_blocksparse import _compat, blocks, codec
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
@@ -369,8 +369,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             window.assign_add(tf.ones_like(window.value))
             self.inner_optimizer.iterations.assign_add(
                 tf.ones_like(self.inner_optimizer.iterations.value))
-            step.record_micro_step(self._stats, sum(int(g.shape.num_elements()) *
-                                                    g.dtype.size for g in grads))
+            step.record_micro_step(self._stats, sum(codec.buffer_nbytes(g) for g in grads))
 
         step.replica_cond(window.value + 1 >= n, exchange, accumulate, (list(grads),))
 
