@@ -43,6 +43,30 @@ def disable_gradient_all_reduce(optimizer: Any) -> None:
     optimizer._all_reduce_sum_gradients = _pass_through
 
 
+def assign_replica_copies(variables: Sequence[Any], values: Sequence[Any]) -> None:
+    """From replica context, gives each replica's copy of the mirrored ``tf.Variable``s
+    ``variables`` that replica's ``values`` (no collective: the copies may then differ).
+
+    A mirrored variable with no aggregation refuses ``assign`` in replica context; Keras'
+    optimizers update theirs through the strategy's ``extended.update`` in a merge call
+    (where the strategy needs one), and so does this.
+    """
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy():
+        for v, x in zip(variables, values):
+            v.assign(x)
+        return
+
+    def update(distribution: Any, vals: Sequence[Any]) -> None:
+        for v, x in zip(variables, vals):
+            distribution.extended.update(v, lambda var, t: var.assign(t), args=(x,),
+                                         group=False)
+
+    tf.__internal__.distribute.interim.maybe_merge_call(update, tf.distribute.get_strategy(),
+                                                        list(values))
+
+
 def optimizer_strategy(optimizer: Any) -> Any:
     """The ``tf.distribute`` strategy a Keras optimizer was created under (Keras' TensorFlow
     optimizer records ``tf.distribute.get_strategy()`` at construction); ``None`` if it
@@ -326,7 +350,7 @@ __all__: Sequence[str] = [
     "TESTED", "TESTED_PAIRS", "after_gradient_all_reduce", "build_input_shapes",
     "delegate_loss_scale_check",
     "disable_gradient_all_reduce", "flatten_layers", "gradient_all_reduce_disabled",
-    "is_on_read", "keras_history",
+    "assign_replica_copies", "is_on_read", "keras_history",
     "local_components", "no_automatic_dependency_tracking", "nodes_by_depth",
     "own_trainable_variables", "previous_backup", "resumed_epoch",
     "optimizer_strategy", "strategy_cross_device_ops", "strategy_supports_no_merge_call",

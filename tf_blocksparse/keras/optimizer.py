@@ -42,7 +42,7 @@ from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import dense_phase, loss_scale, replica_state
+from tf_blocksparse.keras import dense_phase, local_steps, loss_scale, replica_state
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
 from tf_blocksparse.keras.forward_order import backward_ranks
@@ -103,6 +103,15 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         one set of collectives per group, so the last layers' exchange can start while
         backward still runs.  The backward order is derived from ``model`` when given, else
         taken as the reverse of the variable order.  Default: one group for all variables.
+      gradient_accumulation_steps: Optional micro-steps accumulated locally per exchange
+        (each replica adds its gradients; the window's mean is exchanged once).
+      sync_every: Optional local steps per exchange (:mod:`~tf_blocksparse.keras.local_steps`):
+        every replica trains alone for ``sync_every`` steps with ``inner``, then the
+        replicas' progress since the last exchange (a pseudo-gradient) is compressed and
+        exchanged, and ``outer`` applies its mean.  Default: every step exchanges.
+      outer: The optimizer of the exchanged progress with ``sync_every`` (default: SGD with
+        learning rate 0.7 and Nesterov momentum 0.9, DiLoCo's).  Create it in the strategy's
+        scope.
       model: Optional Keras model whose layers own the variables.  Without it the owning
         layers are found among the live Keras layers at build time; either way every
         variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
@@ -125,7 +134,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
                  momentum_correction: MomentumCorrection | float | str | None = AUTO,
                  clipping: Any = None, nonfinite: str = "skip",
                  fusion_buffer_bytes: int | None = None,
-                 gradient_accumulation_steps: int | None = None, model: Any = None,
+                 gradient_accumulation_steps: int | None = None,
+                 sync_every: int | None = None,
+                 outer: keras.optimizers.Optimizer | None = None, model: Any = None,
                  name: str | None = None, **options: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
@@ -133,8 +144,21 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         every = check_step_arguments(nonfinite, fusion_buffer_bytes,
                                      gradient_accumulation_steps)
         rules = clipping_lib.as_rules(clipping)
+        if sync_every is not None and momentum_correction == AUTO:
+            momentum_correction = None  # the inner optimizer's momentum stays local
+        if sync_every is not None and compression is None and "exchange" not in options:
+            options["exchange"] = "allgather"  # the automatic exchange times per-step syncs
         compression, momentum = split_arguments(inner, compression, momentum_correction,
                                                 options)
+        local_steps.check_local_steps(sync_every, outer, clipping=rules,
+                                      accumulation_steps=every, auto=compression.auto)
+        if sync_every is not None and momentum is not None:
+            raise ValueError("`momentum_correction` does not combine with `sync_every`: the "
+                             "inner optimizer's momentum stays local")
+        if sync_every is not None and outer is None:
+            outer = local_steps.default_outer()
+        if outer is not None:
+            check_inner(outer)
         super().__init__(learning_rate=0.0, name=name)
         self.compression = compression
         self.momentum_policy = momentum
@@ -157,6 +181,12 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         self._velocities: list[keras.Variable] = []
         self._accumulators: list[keras.Variable] = []
         self._window: keras.Variable | None = None
+        self.sync_every = sync_every
+        self.outer_optimizer = outer
+        if outer is not None:
+            _compat.disable_gradient_all_reduce(outer)
+        self._anchors: list[keras.Variable] = []
+        self._sync_fn: Any = None
         self._state_apart = False  # see replica_state_apart
 
     @property
@@ -196,13 +226,20 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             trainable=False, synchronization="on_read", aggregation="mean",
             name="blocksparse_stats")
         self._accumulators, self._window = [], None
+        if self.sync_every is not None:
+            self._anchors = [self.add_variable_from_reference(v, "anchor") for v in var_list]
+            for anchor, v in zip(self._anchors, var_list):
+                anchor.assign(v)
+            self.outer_optimizer.build(self._anchors)
         if self.accumulation_steps > 1:
             self._accumulators = [self._per_replica_variable(v, v.shape, v.dtype,
                                                              "accumulated_")
                                   for v in var_list]
+        if self.accumulation_steps > 1 or self.sync_every is not None:
             self._window = self.add_variable(shape=(), initializer="zeros", dtype="int64",
                                              aggregation="only_first_replica",
-                                             name="accumulated_steps")
+                                             name="local_steps" if self.sync_every
+                                             else "accumulated_steps")
         every, self.accumulation_steps = self.accumulation_steps, 1  # Keras' build must not
         try:                                                          # add accumulators
             super().build(var_list)
@@ -242,7 +279,19 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
 
     @property
     def variables(self) -> list[keras.Variable]:
-        return self._variables + self.inner_optimizer.variables
+        outer = [] if self.outer_optimizer is None else self.outer_optimizer.variables
+        return self._variables + self.inner_optimizer.variables + outer
+
+    @property
+    def local_variables(self) -> list[keras.Variable]:
+        """Mirrored variables whose replicas' copies differ between synchronisations: the
+        inner optimizer's state with ``sync_every`` (else []).  Backups save them per
+        worker, as the per-replica state."""
+        if self.sync_every is None:
+            return []
+        shared = {id(self.inner_optimizer.iterations),
+                  id(getattr(self.inner_optimizer, "_learning_rate", None))}
+        return [v for v in self.inner_optimizer.variables if id(v) not in shared]
 
     # -- saving --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -338,7 +387,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             return
         grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]
         idx = [self._get_variable_index(v) for v in tvs]
-        if self.accumulation_steps > 1:
+        if self.sync_every is not None:
+            self._local_step(grads, tvs, idx)
+        elif self.accumulation_steps > 1:
             self._accumulate_or_exchange(grads, tvs, idx)
         else:
             self._exchange(grads, tvs, idx)
@@ -373,10 +424,72 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
 
         step.replica_cond(window.value + 1 >= n, exchange, accumulate, (list(grads),))
 
-    def _exchange(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int]
-                  ) -> None:
+    def _local_step(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int]
+                    ) -> None:
+        """One local step of ``sync_every = H``: the inner optimizer applies the replica's
+        own gradient to its own weights (no communication); every H-th step synchronises
+        (:meth:`_synchronize_replica`)."""
+        ctx = tf.distribute.get_replica_context()
+        local, finite = local_steps.local_gradients(grads, ctx.num_replicas_in_sync)
+        self.inner_optimizer.apply(local, tvs)
+        window = self._window
+        window.assign_add(tf.ones_like(window.value))
+        step.count_skipped(self._stats, finite)
+
+        def synchronize(_: Any) -> None:
+            self._synchronize_replica(tvs, idx)
+
+        def wait(_: Any) -> None:
+            step.record_micro_step(self._stats, sum(codec.buffer_nbytes(g) for g in grads))
+
+        step.replica_cond(window.value >= self.sync_every, synchronize, wait, (0,))
+
+    def _synchronize_replica(self, tvs: Sequence[Any], idx: Sequence[int]) -> None:
+        """The exchange of a window (in replica context): the replica's pseudo-gradient
+        ``(anchor - w) / N`` through the exchange, ``outer`` applied to the anchors, every
+        replica's weights set to them, the window restarted."""
+        ctx = tf.distribute.get_replica_context()
+        anchors = [self._anchors[i] for i in idx]
+        n = ctx.num_replicas_in_sync
+        deltas = [(tf.convert_to_tensor(a) - tf.convert_to_tensor(v)) / tf.cast(n, v.dtype)
+                  for a, v in zip(anchors, tvs)]
+        self._exchange(deltas, anchors, idx, optimizer=self.outer_optimizer)
+        local_steps.assign_on_each_replica(tvs, [tf.convert_to_tensor(a) for a in anchors])
+        self._window.assign(tf.zeros_like(self._window.value))
+
+    def synchronize(self) -> None:
+        """Exchanges the progress of the current window of ``sync_every`` now (a partial
+        window like a full one), so every replica holds the same weights: call it on every
+        worker, eagerly in cross-replica context, before evaluating or saving in a custom
+        loop (``model.fit`` does by itself).  Nothing happens without ``sync_every``, before
+        the optimizer is built, or when the window is empty."""
+        if self.sync_every is None or not self.built or int(self._window.numpy()) == 0:
+            return
+        if self._sync_fn is None:
+            strategy = self._distribution_strategy
+            tvs = list(self._trainable_variables)
+            idx = list(range(len(tvs)))
+
+            @tf.function
+            def sync() -> None:
+                strategy.run(lambda: self._synchronize_replica(tvs, idx))
+
+            self._sync_fn = sync
+        self._sync_fn()
+
+    def restart_window(self) -> None:
+        """Takes the model's current weights as the last synchronised ones (the anchors),
+        when the window is empty (eagerly, cross-replica context): weights loaded after the
+        optimizer was built are then trained from, not overwritten at the next exchange."""
+        if self.sync_every is None or not self.built or int(self._window.numpy()) != 0:
+            return
+        for anchor, v in zip(self._anchors, self._trainable_variables):
+            anchor.assign(v)
+
+    def _exchange(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int],
+                  optimizer: keras.optimizers.Optimizer | None = None) -> None:
         """One exchange of the replica's ``grads`` (of the variables ``tvs``, indices
-        ``idx``) and the inner optimizer's apply of the result."""
+        ``idx``) and ``optimizer``'s apply of the result (default: the inner optimizer)."""
         ctx = tf.distribute.get_replica_context()
         timed = ctx.num_replicas_in_sync > 1  # one replica: no exchange (and maybe XLA)
         start = graph_clock(grads) if timed else None
@@ -427,8 +540,8 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         if commits:
             step.when_finite(self.nonfinite, result.finite,
                              lambda: tf.group([v.value.assign(s) for v, s in commits]))
-        step.apply_inner(self.inner_optimizer, self.nonfinite, result.updates, tvs,
-                         result.finite)
+        step.apply_inner(optimizer or self.inner_optimizer, self.nonfinite, result.updates,
+                         tvs, result.finite)
         seconds = graph_clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
         step.record_stats(self._stats, result, seconds)
 
@@ -504,6 +617,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         if self.compression.dense_steps and not any(
                 isinstance(c, dense_phase.DensePhaseCallback) for c in callbacks):
             out.append(dense_phase.DensePhaseCallback())
+        if self.sync_every is not None and not any(
+                isinstance(c, local_steps.LocalStepsCallback) for c in callbacks):
+            out.append(local_steps.LocalStepsCallback())
         return out
 
     @property
@@ -579,7 +695,10 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
             "nonfinite": self.nonfinite, "fusion_buffer_bytes": self.fusion_buffer_bytes,
         } | ({"gradient_accumulation_steps": self.accumulation_steps}
-             if self.accumulation_steps > 1 else {})
+             if self.accumulation_steps > 1 else {}) | (
+            {"sync_every": self.sync_every,
+             "outer": keras.saving.serialize_keras_object(self.outer_optimizer)}
+            if self.sync_every is not None else {})
 
     def _inner_config(self) -> dict[str, Any]:
         config = keras.saving.serialize_keras_object(self.inner_optimizer)
@@ -593,6 +712,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         config = config_arguments(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner"),
                                                       custom_objects=custom_objects)
+        if config.get("outer") is not None:
+            config["outer"] = keras.saving.deserialize_keras_object(
+                config["outer"], custom_objects=custom_objects)
         return cls(inner, **config)
 
 

@@ -1,0 +1,200 @@
+"""``sync_every``: local steps with a block-sparse exchange of the replicas' progress.
+
+On 2 real replicas (``MirroredStrategy`` on logical CPUs): with one local step per exchange
+and a plain SGD outer step it trains as the per-step exchange; with more, the replicas'
+weights differ inside a window and agree after it, following a NumPy reference of DiLoCo's
+outer Nesterov step; ``model.fit`` evaluates and saves synchronised weights."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_blocksparse as tfbs
+
+SHAPES = [(6, 8), (8,), (8, 3), (3,)]
+
+
+def _grads(step: int, replica: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 * step + replica)
+    return [rng.standard_normal(s).astype("float32") for s in SHAPES]
+
+
+def _model(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                                 keras.layers.Dense(3)])
+
+
+def _run(strategy, opt_fn, steps, watch=None):
+    """Applies ``_grads(step, replica)`` for ``steps`` steps; returns the weights, the
+    optimizer and, per step in ``watch``, every replica's copy of the weights."""
+    model = _model(strategy)
+    with strategy.scope():
+        opt = opt_fn()
+        opt.build(model.trainable_variables)
+    variables = model.trainable_variables
+
+    @tf.function
+    def step(grads):
+        strategy.run(lambda g: opt.apply(list(g), variables), args=(grads,))
+
+    seen = {}
+    for s in range(steps):
+        step(strategy.experimental_distribute_values_from_function(
+            lambda ctx, s=s: tuple(tf.constant(g) for g in
+                                   _grads(s, ctx.replica_id_in_sync_group))))
+        if watch and s in watch:
+            seen[s] = [[c.numpy() for c in strategy.experimental_local_results(v.value)]
+                       for v in variables]
+    return [v.numpy() for v in variables], opt, seen
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "shared", "dense"])
+def test_one_local_step_with_plain_sgd_outer_is_the_per_step_exchange(mirrored2, exchange):
+    def per_step():
+        return tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, dense_below=0,
+                                         exchange=exchange)
+
+    def local():
+        return tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, dense_below=0,
+                                         exchange=exchange, sync_every=1,
+                                         outer=keras.optimizers.SGD(1.0))
+
+    want, ref, _ = _run(mirrored2, per_step, 5)
+    got, opt, _ = _run(mirrored2, local, 5)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if exchange != "dense":  # the residuals hold learning-rate-scaled values
+        for a, b in zip(opt.residuals, ref.residuals):
+            np.testing.assert_allclose(a.numpy(), 0.1 * b.numpy(), rtol=1e-4, atol=1e-6)
+    got_bytes, ref_bytes = (o.block_sparse_metrics(mean=True) for o in (opt, ref))
+    assert got_bytes["payload_bytes"] == ref_bytes["payload_bytes"] > 0
+
+
+def _reference(w0, steps, every, lr, outer_lr, outer_momentum, replicas=2):
+    """NumPy: inner SGD(lr) per replica on N * g (Keras' loss is divided by N), a dense
+    exchange of the mean progress every ``every`` steps, Keras' Nesterov SGD outer step."""
+    anchor = [w.astype(np.float64) for w in w0]
+    momentum = [np.zeros_like(w) for w in anchor]
+    local = [[w.copy() for w in anchor] for _ in range(replicas)]
+    for s in range(steps):
+        for r in range(replicas):
+            local[r] = [w - lr * replicas * g for w, g in zip(local[r], _grads(s, r))]
+        if (s + 1) % every == 0:
+            delta = [sum(anchor[i] - local[r][i] for r in range(replicas)) / replicas
+                     for i in range(len(anchor))]
+            for i, d in enumerate(delta):  # Keras SGD, nesterov: m = mu m - lr g
+                momentum[i] = outer_momentum * momentum[i] - outer_lr * d
+                anchor[i] = anchor[i] + outer_momentum * momentum[i] - outer_lr * d
+            local = [[w.copy() for w in anchor] for _ in range(replicas)]
+    return anchor
+
+
+def test_replicas_train_apart_inside_a_window_and_agree_after_it(mirrored2):
+    model = _model(mirrored2)
+    w0 = [v.numpy() for v in model.trainable_variables]
+
+    def local():
+        return tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), exchange="dense",
+                                         sync_every=3)
+
+    got, opt, seen = _run(mirrored2, local, 6, watch={0, 2})
+    for copies in seen[0]:  # mid-window: each replica its own weights
+        assert not np.array_equal(copies[0], copies[1])
+    for copies in seen[2]:  # after the exchange: the same weights everywhere
+        np.testing.assert_array_equal(copies[0], copies[1])
+    want = _reference(w0, 6, 3, 0.05, 0.7, 0.9)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert int(opt.outer_optimizer.iterations.numpy()) == 2
+    assert int(opt.iterations.numpy()) == 6
+    # bytes per training step: one dense exchange per 3 steps
+    figures = opt.block_sparse_metrics(mean=True)
+    assert figures["payload_bytes"] == pytest.approx(figures["dense_bytes"] / 3)
+
+
+def test_block_sparse_exchange_keeps_what_it_did_not_send(mirrored2):
+    """Conservation: the anchor's move plus what the replicas kept back is the replicas'
+    whole progress (a plain SGD(1.0) outer step)."""
+    def local():
+        return tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1, dense_below=0,
+                                         exchange="allgather", sync_every=2,
+                                         outer=keras.optimizers.SGD(1.0))
+
+    model = _model(mirrored2)
+    w0 = [v.numpy() for v in model.trainable_variables]
+    got, opt, _ = _run(mirrored2, local, 2)
+    # no outer momentum, one window: anchor = w0 - sum_r sent_r; residual_r = delta_r - sent_r
+    kept = [r.numpy() for r in opt.residuals]  # a cross-replica read: the sum
+    progress = [np.zeros_like(w) for w in w0]
+    for r in range(2):
+        local_w = [w.astype(np.float64) for w in w0]
+        for s in range(2):
+            local_w = [w - 0.05 * 2 * g for w, g in zip(local_w, _grads(s, r))]
+        progress = [p + (a - w) / 2 for p, a, w in zip(progress, w0, local_w)]
+    for w, start, k, p in zip(got, w0, kept, progress):
+        np.testing.assert_allclose(start - w + k, p, rtol=1e-4, atol=1e-6)
+        assert np.any(k != 0)
+
+
+def test_fit_evaluates_and_saves_synchronised_weights(mirrored2, tmp_path):
+    """6 steps per epoch with sync_every=4: the epoch's partial window is exchanged after its
+    last step, so evaluation and the saved model see one set of weights."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = _model(mirrored2)
+    with mirrored2.scope():
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                        sync_every=4, density=0.25)
+        model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=16, epochs=3, validation_data=(x, y), verbose=0)
+    assert len(history.history["val_accuracy"]) == 3
+    assert int(opt._window.numpy()) == 0
+    for v in model.trainable_variables:
+        copies = [c.numpy() for c in mirrored2.experimental_local_results(v.value)]
+        np.testing.assert_array_equal(copies[0], copies[1])
+    # the inner optimizer's momentum stays on each replica
+    assert opt.inner_optimizer.momentum == pytest.approx(0.9) and opt.momentum_policy is None
+    assert opt.local_variables and all(
+        not np.array_equal(*[c.numpy() for c in mirrored2.experimental_local_results(v.value)])
+        for v in opt.local_variables)
+    assert opt.get_config()["sync_every"] == 4
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.optimizer.sync_every == 4
+    assert isinstance(loaded.optimizer.outer_optimizer, keras.optimizers.SGD)
+    assert loaded.optimizer.outer_optimizer.nesterov
+    for a, b in zip(loaded.trainable_variables, model.trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"sync_every": 0}, "sync_every"),
+    ({"sync_every": True}, "sync_every"),
+    ({"outer": "sgd"}, "outer"),
+    ({"sync_every": 4, "outer": "sgd"}, "outer"),
+    ({"sync_every": 4, "clipping": tfbs.clipping.LocalNormClip(1.0)}, "clipping"),
+    ({"sync_every": 4, "gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
+    ({"sync_every": 4, "exchange": "auto"}, "exchange"),
+    ({"sync_every": 4, "momentum_correction": 0.9}, "momentum_correction"),
+])
+def test_bad_local_step_arguments_are_named(kwargs, named):
+    inner = keras.optimizers.SGD(0.1)
+    with pytest.raises((ValueError, TypeError), match=named):
+        tfbs.BlockSparseOptimizer(inner, **kwargs)
+    assert inner.momentum == 0.0
+
+
+def test_default_outer_is_nesterov_sgd_and_default_exchange_compresses():
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), sync_every=8)
+    outer = opt.outer_optimizer
+    assert float(outer.learning_rate) == pytest.approx(0.7)
+    assert outer.momentum == pytest.approx(0.9) and outer.nesterov
+    assert opt.exchange == "allgather" and opt.momentum_policy is None

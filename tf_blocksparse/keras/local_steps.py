@@ -1,0 +1,150 @@
+"""Local steps: every replica trains alone for ``sync_every`` steps, then one compressed
+exchange of the replicas' progress (DiLoCo's outer step with the block top-k compressor).
+
+With ``BlockSparseOptimizer(inner, sync_every=H, outer=...)`` a step on each replica is::
+
+    w_r = inner.apply(N * g_r, w_r)                 # the replica's own gradient, no traffic
+    every H-th step:
+        delta_r = (anchor - w_r) / N                 # the replica's pseudo-gradient [*shape]
+        acc = delta_r + residual_r; select blocks; exchange   # as a per-step exchange
+        anchor = outer.apply(sum_r sent(delta_r), anchor)      # identical on every replica
+        w_r = anchor                                 # every replica restarts from it
+
+``anchor`` is the weights at the last synchronisation (an optimizer variable, saved with
+it).  Keras divides each replica's loss by ``N``, so ``N * g_r`` is the gradient of the
+replica's own batch, and the exchanged sum of ``delta_r`` is the replicas' mean progress.
+Error feedback, the exchange modes and the byte counts are those of the per-step exchange;
+what is exchanged is the pseudo-gradient.  With ``H = 1``, a plain ``SGD(1.0)`` outer step
+and a plain SGD inner one this is the per-step exchange (up to rounding: the residuals
+hold learning-rate-scaled values).
+
+The inner optimizer's state (e.g. momentum) stays on each replica: each replica's copy of a
+slot variable follows its own gradients and is never averaged, as in DiLoCo.  Backups save
+it per worker with the residuals (:mod:`~tf_blocksparse.keras.replica_state`), so a resumed
+run continues exactly.
+
+Evaluation and saving must see synchronised weights.  :class:`LocalStepsCallback` (added to
+``model.fit`` by itself, see :meth:`BlockSparseOptimizer.fit_callbacks`) synchronises after
+the last step of every epoch (so the epoch's evaluation, ``BackupAndRestore`` and
+``ModelCheckpoint`` see the synchronised model) and at the end of training; a partial window
+is exchanged like a full one.  A custom loop calls
+:meth:`BlockSparseOptimizer.synchronize` before it evaluates or saves.
+
+Non-finite values: a replica whose gradient is not finite applies a zero gradient instead
+(no communication decides it; the inner optimizer's momentum still moves the weights); a
+pseudo-gradient that is not finite on some replica is dropped on every replica, which all
+restart from the anchor, as a skipped step of the per-step exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_blocksparse import _compat
+
+__all__ = ["LocalStepsCallback", "check_local_steps", "default_outer", "local_gradients"]
+
+
+def default_outer() -> keras.optimizers.Optimizer:
+    """DiLoCo's outer optimizer: SGD with learning rate 0.7 and Nesterov momentum 0.9."""
+    return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+
+
+def check_local_steps(sync_every: Any, outer: Any, *, clipping: Sequence[Any],
+                      accumulation_steps: int, auto: bool) -> None:
+    """Checks the local-step arguments of ``BlockSparseOptimizer``.
+
+    Raises:
+      ValueError: Naming the argument: ``sync_every`` not an int >= 1, ``outer`` without
+        ``sync_every``, or a feature that local steps do not combine with.
+      TypeError: ``outer`` is not a Keras optimizer.
+    """
+    if sync_every is None:
+        if outer is not None:
+            raise ValueError("`outer` needs `sync_every` (the local steps per exchange)")
+        return
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"`sync_every` must be None or an int >= 1, got {sync_every!r}")
+    if outer is not None and not isinstance(outer, keras.optimizers.Optimizer):
+        raise TypeError(f"`outer` must be a Keras optimizer, got {type(outer).__name__}")
+    if isinstance(outer, keras.optimizers.LossScaleOptimizer):
+        raise TypeError("`outer` must not be a LossScaleOptimizer")
+    if clipping:
+        raise ValueError("`clipping` does not combine with `sync_every` (the inner optimizer's "
+                         "own `clipnorm` / `global_clipnorm` clip each local step)")
+    if accumulation_steps > 1:
+        raise ValueError("`gradient_accumulation_steps` does not combine with `sync_every` "
+                         "(local steps already exchange once per window)")
+    if auto:
+        raise ValueError("`exchange='auto'` does not combine with `sync_every` yet: pass "
+                         "exchange='allgather', 'shared' or 'dense'")
+
+
+def local_gradients(grads: Sequence[tf.Tensor], num_replicas: int
+                    ) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """The replica's own-batch gradients for a local step, non-finite ones zeroed.
+
+    Args:
+      grads: The replica's gradients [*shape] of a loss Keras divided by ``num_replicas``.
+      num_replicas: Replicas in sync.
+
+    Returns:
+      ``num_replicas * grads`` (all zeros where any of them is not finite) and whether they
+      were finite (a boolean scalar, this replica's alone).
+    """
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    scaled = [g * tf.cast(num_replicas, g.dtype) for g in grads]
+    return [tf.where(finite, g, tf.zeros_like(g)) for g in scaled], finite
+
+
+def assign_on_each_replica(variables: Sequence[Any], values: Sequence[tf.Tensor]) -> None:
+    """``variables[i] = values[i]`` for mirrored variables, from replica context: each
+    replica's copy gets that replica's value (no collective)."""
+    _compat.assign_replica_copies([getattr(v, "value", v) for v in variables], list(values))
+
+
+class LocalStepsCallback(keras.callbacks.Callback):
+    """Synchronises a ``BlockSparseOptimizer`` with ``sync_every`` after the last step of
+    every epoch and at the end of training (so evaluation, backups and saved models see
+    synchronised weights), and restarts its window from the model's weights at the start
+    of training (weights loaded after the optimizer was built are adopted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._optimizer: Any = None
+
+    def _opt(self) -> Any:
+        from tf_blocksparse.keras.fit_loop import find_block_sparse
+
+        if self._optimizer is None:
+            self._optimizer = find_block_sparse(getattr(self.model, "optimizer", None))
+        return self._optimizer
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        opt = self._opt()
+        if opt is not None and opt.built:
+            opt.restart_window()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        steps = (self.params or {}).get("steps")
+        if steps and batch + 1 >= steps:  # the epoch's last step: before evaluation
+            self._synchronize()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        self._synchronize()  # nothing to do if the epoch's last step synchronised
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not (self.params or {}).get("steps"):  # epoch length unknown in advance
+            self._synchronize()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        opt = self._opt()
+        if opt is not None and opt.built:
+            opt.synchronize()
