@@ -101,6 +101,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "fusion groups of about this many bytes (one set of collectives per "
                          "group; --exchange=auto decides per group); 0: one group.",
                          lower_bound=0, **fv)
+    flags.DEFINE_integer("sync_every", 0, "Local steps: every worker trains alone for this "
+                         "many steps, then the workers' progress is exchanged (compressed as "
+                         "--compression says) and applied by an outer Nesterov SGD; 0: every "
+                         "step exchanges its gradients.", lower_bound=0, **fv)
+    flags.DEFINE_float("outer_lr", 0.7, "--sync_every: the outer SGD's learning rate.", **fv)
+    flags.DEFINE_float("outer_momentum", 0.9, "--sync_every: the outer SGD's Nesterov "
+                       "momentum, in [0, 1).", **fv)
     flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1, **fv)
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0 = one pass over "
                          "this worker's shard).", lower_bound=0, **fv)
@@ -160,6 +167,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         ["k", "density"], lambda f: f["k"] is None or f["density"] is None,
         "give at most one of --k and --density", **fv)
     flags.register_validator("lr", lambda lr: lr > 0, "--lr must be > 0", **fv)
+    flags.register_validator("outer_lr", lambda lr: lr > 0, "--outer_lr must be > 0", **fv)
+    flags.register_validator("outer_momentum", lambda m: 0.0 <= m < 1.0,
+                             "--outer_momentum must be in [0, 1)", **fv)
+    flags.register_multi_flags_validator(
+        ["sync_every", "exchange", "compression"],
+        lambda f: not f["sync_every"] or f["compression"] == "dense" or f["exchange"] != "auto",
+        "--sync_every needs a fixed --exchange (allgather, shared or dense): the automatic "
+        "exchange decides per step", **fv)
     flags.register_multi_flags_validator(
         ["lr_schedule", "warmup_epochs", "epochs"],
         lambda f: not f["warmup_epochs"] or (f["lr_schedule"] == "cosine"

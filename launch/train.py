@@ -77,7 +77,8 @@ def learning_rate(lr: float, schedule: str = "constant", total_steps: int = 0,
 def make_optimizer(compression: str, k: int | None, density: float | None, metric: str,
                    exchange: str, lr, momentum: float, global_momentum: bool = False,
                    dense_below: int | None = None, momentum_masking: str | None = None,
-                   fusion_buffer_bytes: int = 0):
+                   fusion_buffer_bytes: int = 0, sync_every: int = 0,
+                   outer_lr: float = 0.7, outer_momentum: float = 0.9):
     """``BlockSparseOptimizer(SGD(lr, momentum))`` as ``--compression`` asks, with the
     library's defaults for every option left ``None`` / ``False``.
 
@@ -92,9 +93,13 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
     extra: dict = {}
     if fusion_buffer_bytes:
         extra["fusion_buffer_bytes"] = fusion_buffer_bytes
+    if sync_every:  # local steps: the inner SGD keeps its momentum on each worker
+        extra["sync_every"] = sync_every
+        extra["outer"] = keras.optimizers.SGD(outer_lr, momentum=outer_momentum,
+                                              nesterov=outer_momentum > 0)
     if compression == "dense":
         return tfbs.BlockSparseOptimizer(inner, exchange="dense", **extra)
-    if global_momentum:
+    if global_momentum and not sync_every:
         extra["momentum_correction"] = None
     if dense_below is not None:
         extra["dense_below"] = dense_below
@@ -147,7 +152,8 @@ def run(argv_flags=FLAGS) -> dict:
                            int(round(f.warmup_epochs * steps)))
         opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, lr,
                              f.momentum, f.global_momentum, f.dense_below,
-                             f.momentum_masking, f.fusion_buffer_bytes)
+                             f.momentum_masking, f.fusion_buffer_bytes, f.sync_every,
+                             f.outer_lr, f.outer_momentum)
         if sequence:
             from models import nmt
             loss, metrics = nmt.masked_sparse_ce, [nmt.token_accuracy]
@@ -209,7 +215,8 @@ def run(argv_flags=FLAGS) -> dict:
     # the last epoch's evaluation is of these very weights; evaluate only if none ran
     results = validation.last if validation is not None and validation.last else \
         evaluate_exactly(model, *arrays.test, batch_size=f.eval_batch_size, **eval_kwargs)
-    m = opt.block_sparse_metrics()
+    # local steps: bytes per step as the last epoch's mean (one exchange per window)
+    m = opt.block_sparse_metrics(mean=bool(f.sync_every))
     chooser = opt.exchange_chooser
     if f.model_dir:  # every worker takes part (reading residuals is a collective)
         save_model(model, os.path.join(f.model_dir, "model.keras"))
@@ -224,6 +231,8 @@ def run(argv_flags=FLAGS) -> dict:
         "dense_bytes_per_step": int(m["dense_bytes"]),
         "compression_ratio": m["dense_bytes"] / m["payload_bytes"] if m["payload_bytes"] else 0,
         "skipped_steps": int(m["skipped_steps"]), "num_workers": num_workers,
+        "syncs": (int(opt.outer_optimizer.iterations.numpy()) if f.sync_every
+                  else int(opt.iterations.numpy())),
         # where a step's time goes: the wrapper's part (measured in the step), and of it
         # the compression (one replica's, timed locally after training)
         "exchange_s_per_step": m["exchange_s_total"] / max(1, int(opt.iterations.numpy())),

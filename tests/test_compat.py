@@ -345,3 +345,24 @@ def test_optimizer_strategy_is_the_strategy_at_construction(mirrored2):
     assert _compat.optimizer_strategy(inside) is mirrored2
     assert _compat.optimizer_strategy(outside) is tf.distribute.get_strategy()
     assert _compat.optimizer_strategy(object()) is None
+
+
+def test_assign_replica_copies_gives_each_replica_its_own_value(mirrored2):
+    with mirrored2.scope():
+        v = keras.Variable(np.zeros(3, "float32"))
+
+    @tf.function
+    def assign():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            value = tf.fill([3], tf.cast(ctx.replica_id_in_sync_group, tf.float32) + 1.0)
+            _compat.assign_replica_copies([v.value], [value])
+        mirrored2.run(fn)
+
+    assign()
+    copies = [c.numpy() for c in mirrored2.experimental_local_results(v.value)]
+    np.testing.assert_array_equal(copies[0], [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(copies[1], [2.0, 2.0, 2.0])
+    outside = tf.Variable(np.zeros(2, "float32"))  # no strategy: a plain assign
+    _compat.assign_replica_copies([outside], [tf.ones(2)])
+    np.testing.assert_array_equal(outside.numpy(), [1.0, 1.0])

@@ -113,6 +113,10 @@ def test_replicas_train_apart_inside_a_window_and_agree_after_it(mirrored2):
     # bytes per training step: one dense exchange per 3 steps
     figures = opt.block_sparse_metrics(mean=True)
     assert figures["payload_bytes"] == pytest.approx(figures["dense_bytes"] / 3)
+    assert figures["syncs"] == 2
+    move = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in
+                       zip(want, _reference(w0, 3, 3, 0.05, 0.7, 0.9))))
+    assert figures["outer_update_norm"] == pytest.approx(move, rel=1e-4)
 
 
 def test_block_sparse_exchange_keeps_what_it_did_not_send(mirrored2):
@@ -159,9 +163,13 @@ def test_fit_evaluates_and_saves_synchronised_weights(mirrored2, tmp_path):
         np.testing.assert_array_equal(copies[0], copies[1])
     # the inner optimizer's momentum stays on each replica
     assert opt.inner_optimizer.momentum == pytest.approx(0.9) and opt.momentum_policy is None
-    assert opt.local_variables and all(
+    slots = opt.local_variables[:-len(model.trainable_variables)]
+    assert len(slots) == 4 and all("momentum" in v.path for v in slots)
+    assert all(
         not np.array_equal(*[c.numpy() for c in mirrored2.experimental_local_results(v.value)])
-        for v in opt.local_variables)
+        for v in slots)
+    assert all(a is b for a, b in zip(opt.local_variables[len(slots):],
+                                      model.trainable_variables))
     assert opt.get_config()["sync_every"] == 4
     path = tmp_path / "m.keras"
     model.save(path)

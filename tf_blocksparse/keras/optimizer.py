@@ -231,6 +231,10 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             for anchor, v in zip(self._anchors, var_list):
                 anchor.assign(v)
             self.outer_optimizer.build(self._anchors)
+            self._outer_norm = keras.Variable(
+                initializer=keras.initializers.Zeros(), shape=(), dtype="float32",
+                trainable=False, synchronization="on_read", aggregation="mean",
+                name="outer_update_norm")
         if self.accumulation_steps > 1:
             self._accumulators = [self._per_replica_variable(v, v.shape, v.dtype,
                                                              "accumulated_")
@@ -284,14 +288,16 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
 
     @property
     def local_variables(self) -> list[keras.Variable]:
-        """Mirrored variables whose replicas' copies differ between synchronisations: the
-        inner optimizer's state with ``sync_every`` (else []).  Backups save them per
-        worker, as the per-replica state."""
-        if self.sync_every is None:
+        """Mirrored variables whose replicas' copies differ between synchronisations with
+        ``sync_every`` (else []): the inner optimizer's state and the trained weights.
+        Backups save every replica's copy per worker, as the per-replica state, so a run
+        backed up inside a window resumes exactly."""
+        if self.sync_every is None or not self.built:
             return []
-        shared = {id(self.inner_optimizer.iterations),
-                  id(getattr(self.inner_optimizer, "_learning_rate", None))}
-        return [v for v in self.inner_optimizer.variables if id(v) not in shared]
+        shared = {id(self.inner_optimizer.iterations),  # the same on every replica
+                  id(self.inner_optimizer.learning_rate)}
+        return [v for v in self.inner_optimizer.variables
+                if id(v) not in shared] + list(self._trainable_variables)
 
     # -- saving --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -444,16 +450,22 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
 
         step.replica_cond(window.value >= self.sync_every, synchronize, wait, (0,))
 
-    def _synchronize_replica(self, tvs: Sequence[Any], idx: Sequence[int]) -> None:
+    def _synchronize_replica(self, tvs: Sequence[Any], idx: Sequence[int],
+                             counted: bool = True) -> None:
         """The exchange of a window (in replica context): the replica's pseudo-gradient
         ``(anchor - w) / N`` through the exchange, ``outer`` applied to the anchors, every
-        replica's weights set to them, the window restarted."""
+        replica's weights set to them, the window restarted.  ``counted``: the exchange is
+        part of a training step (not :meth:`synchronize`'s)."""
         ctx = tf.distribute.get_replica_context()
         anchors = [self._anchors[i] for i in idx]
         n = ctx.num_replicas_in_sync
-        deltas = [(tf.convert_to_tensor(a) - tf.convert_to_tensor(v)) / tf.cast(n, v.dtype)
-                  for a, v in zip(anchors, tvs)]
-        self._exchange(deltas, anchors, idx, optimizer=self.outer_optimizer)
+        before = [tf.convert_to_tensor(a) for a in anchors]
+        deltas = [(a - tf.convert_to_tensor(v)) / tf.cast(n, v.dtype)
+                  for a, v in zip(before, tvs)]
+        self._exchange(deltas, anchors, idx, optimizer=self.outer_optimizer, counted=counted)
+        moves = [tf.cast(tf.convert_to_tensor(a) - b, tf.float32)
+                 for a, b in zip(anchors, before)]
+        self._outer_norm.value.assign(tf.sqrt(tf.add_n([tf.reduce_sum(m * m) for m in moves])))
         local_steps.assign_on_each_replica(tvs, [tf.convert_to_tensor(a) for a in anchors])
         self._window.assign(tf.zeros_like(self._window.value))
 
@@ -472,7 +484,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
 
             @tf.function
             def sync() -> None:
-                strategy.run(lambda: self._synchronize_replica(tvs, idx))
+                strategy.run(lambda: self._synchronize_replica(tvs, idx, counted=False))
 
             self._sync_fn = sync
         self._sync_fn()
@@ -487,7 +499,8 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             anchor.assign(v)
 
     def _exchange(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int],
-                  optimizer: keras.optimizers.Optimizer | None = None) -> None:
+                  optimizer: keras.optimizers.Optimizer | None = None,
+                  counted: bool = True) -> None:
         """One exchange of the replica's ``grads`` (of the variables ``tvs``, indices
         ``idx``) and ``optimizer``'s apply of the result (default: the inner optimizer)."""
         ctx = tf.distribute.get_replica_context()
@@ -543,7 +556,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         step.apply_inner(optimizer or self.inner_optimizer, self.nonfinite, result.updates,
                          tvs, result.finite)
         seconds = graph_clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
-        step.record_stats(self._stats, result, seconds)
+        step.record_stats(self._stats, result, seconds, counted)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
@@ -669,11 +682,17 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
           wrapper's time in the last step: clipping, compression, collectives, inner apply)
           and its running total ``exchange_s_total``; with ``exchange="auto"`` also the
           decision's figures (``auto_*``, see
-          :meth:`~tf_blocksparse.planning.exchange_cost.ExchangeDecision.summary`).
+          :meth:`~tf_blocksparse.planning.exchange_cost.ExchangeDecision.summary`); with
+          ``sync_every`` also ``syncs`` (exchanges so far) and ``outer_update_norm`` (the L2
+          norm of the last exchange's move of the weights).  With ``mean``, the bytes are
+          per training step, amortised over the window.
         """
         if not self.built:
             return {}
         out = step.stat_figures(self._stats.numpy(), mean)
+        if self.sync_every is not None:
+            out["syncs"] = float(self.outer_optimizer.iterations.numpy())
+            out["outer_update_norm"] = float(self._outer_norm.numpy())
         if self.exchange_decision is not None:
             out.update(self.exchange_decision.summary())
         return out

@@ -59,10 +59,13 @@ def count_skipped(stats: keras.Variable, finite: tf.Tensor) -> None:
     tf.cond(finite, lambda: None, add)
 
 
-def record_stats(stats: keras.Variable, result: ExchangeResult, seconds: tf.Tensor) -> None:
+def record_stats(stats: keras.Variable, result: ExchangeResult, seconds: tf.Tensor,
+                 counted: bool = True) -> None:
     """Writes the step's figures into the per-replica ``stats`` (see :data:`STATS_SIZE`);
     ``seconds`` is the wrapper's time in the step.  A finite step's figures of
-    :data:`MEAN_NAMES` are also added to their sums, and it is counted."""
+    :data:`MEAN_NAMES` are also added to their sums, and it is counted.  An exchange that
+    is no training step of its own (``counted=False``: local steps synchronised before an
+    evaluation) adds only its bytes and seconds: the means stay per training step."""
     old = tf.convert_to_tensor(stats.value)
     n = len(STAT_NAMES)
     skipped = old[STAT_NAMES.index("skipped_steps")] + tf.cast(
@@ -74,6 +77,9 @@ def record_stats(stats: keras.Variable, result: ExchangeResult, seconds: tf.Tens
         tf.constant(float(result.blocks_kept)), tf.cast(result.residual_norm, tf.float32),
         skipped, seconds, total])
     step = tf.concat([tf.gather(last, [STAT_NAMES.index(m) for m in MEAN_NAMES]), [1.0]], 0)
+    if not counted:
+        keep = [float(m in ("payload_bytes", "exchange_s")) for m in MEAN_NAMES]
+        step = step * tf.constant([*keep, 0.0])
     sums = old[n:] + tf.where(result.finite, step, tf.zeros_like(step))  # NaN stays out
     stats.value.assign(tf.concat([last, sums], 0))
 

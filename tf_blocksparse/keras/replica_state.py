@@ -1,5 +1,6 @@
-"""Per-replica optimizer state (residuals, local velocities, clipping state) saved and restored
-by each worker from its own replicas, with no collective.
+"""Per-replica optimizer state (residuals, local velocities, clipping state; with local steps
+also each replica's weights and inner optimizer state) saved and restored by each worker from
+its own replicas, with no collective.
 
 A cross-replica read of an on-read variable is an all-reduce of every replica's value; for
 the compressor state that is a dense-sized collective over the (slow) link at every backup.
@@ -34,11 +35,22 @@ _BACKUP_SUFFIX = ".bkp"
 
 
 def state_variables(optimizer: Any) -> list[Any]:
-    """The optimizer's per-replica (on-read) variables, in ``optimizer.variables`` order."""
-    return [v for v in optimizer.variables if _compat.is_on_read(v)]
+    """The optimizer's per-replica (on-read) variables, in ``optimizer.variables`` order,
+    then the mirrored variables whose replicas' copies differ (``optimizer.local_variables``:
+    local steps' weights and inner optimizer state) that are not among them."""
+    local = list(getattr(optimizer, "local_variables", []) or [])
+    ids = {id(v) for v in local}
+    own = [v for v in optimizer.variables if _compat.is_on_read(v) or id(v) in ids]
+    seen = {id(v) for v in own}
+    return own + [v for v in local if id(v) not in seen]
 
 
 def _aggregation(variable: Any) -> str:
+    """How a replica's value relates to the saved total: ``"sum"`` (error feedback: the
+    replicas' values add up) or ``"mean"`` (mean-aggregated state, and the copies of a
+    mirrored variable that local steps let differ)."""
+    if not _compat.is_on_read(variable):
+        return "mean"
     agg = getattr(_compat.variable_storage(variable), "aggregation", None)
     return "mean" if "MEAN" in str(agg).upper() else "sum"
 
