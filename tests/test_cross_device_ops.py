@@ -97,7 +97,7 @@ def test_bind_model_needs_a_model():
 def test_fused_ops_bit_identical_to_default_reduction(mirrored2, buffer_bytes):
     key = ("fused", buffer_bytes)
     if key not in _STRATEGIES:
-        ops = tfbs.FusedCrossDeviceOps(buffer_bytes=buffer_bytes)
+        ops = tfbs.BlockSparseCrossDeviceOps(fusion=buffer_bytes)
         _STRATEGIES[key] = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
                                                            cross_device_ops=ops), ops)
     fused, ops = _STRATEGIES[key]
@@ -113,9 +113,22 @@ def test_fused_ops_bit_identical_to_default_reduction(mirrored2, buffer_bytes):
 
 
 def test_fused_ops_arguments():
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="`fusion`"):
+        tfbs.BlockSparseCrossDeviceOps(fusion=0)
+    with pytest.raises(ValueError, match="`fusion`"):
+        tfbs.BlockSparseCrossDeviceOps(fusion="1MB")
+    dense = tfbs.BlockSparseCrossDeviceOps(fusion=100)
+    assert dense.options is None and dense.k is None and dense.buffer_bytes == 100
+
+
+def test_fused_cross_device_ops_is_a_deprecated_name_of_the_one_class():
+    with pytest.warns(DeprecationWarning, match="BlockSparseCrossDeviceOps"):
+        ops = tfbs.FusedCrossDeviceOps(buffer_bytes=64)
+    assert type(ops) is tfbs.BlockSparseCrossDeviceOps and ops.options is None
+    assert ops.buffer_bytes == 64 and ops.plan is None
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="exactly one"):
         tfbs.FusedCrossDeviceOps()
-    with pytest.raises(ValueError, match="`buffer_bytes`"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="`buffer_bytes`"):
         tfbs.FusedCrossDeviceOps(buffer_bytes=0)
 
 
