@@ -185,3 +185,38 @@ def test_nonfinite_gradients_leave_residuals_and_reach_the_optimizer():
     assert np.isnan(summed[0, 0]) and np.isfinite(summed[1:]).all()
     np.testing.assert_allclose(strategy.experimental_local_results(out[1])[0].numpy(),
                                bad[0][1] + bad[1][1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("exchange,dense_below", [("allgather", 0), ("shared", 100)])
+def test_fusion_and_compression_together_match_the_optimizer_wrapper(mirrored2, exchange,
+                                                                      dense_below):
+    """Fusion buckets and block sparsity composed under one MirroredStrategy.
+
+    Every compressor selects per variable (its own ``k`` of its own blocks, from its own
+    scores), so cutting the batch into buckets changes which collectives carry a variable,
+    not what is sent: the weights are those of the unbucketed ops bit for bit, and those of
+    the optimizer wrapper with the same options (and fusion buffer) as closely as the
+    existing parity test (its replica-context sums are TF's collectives, not the ops' sums).
+    """
+    compression = tfbs.CompressionOptions(k=1, exchange=exchange, dense_below=dense_below)
+    fused, fused_ops = _strategy("ops", compression=compression, fusion=64)
+    plain, plain_ops = _strategy("ops", compression=compression)
+    sgd = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    via_fused, _ = _fit(fused, sgd, fused_ops)
+    via_plain, _ = _fit(plain, sgd, plain_ops)
+    via_opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), compression, momentum_correction=None,
+        fusion_buffer_bytes=64))
+    # backward order: dense bias 12 B + kernel 2160 B | conv bias 20 B + kernel 180 B
+    assert fused_ops.collectives_per_step == 2 and plain_ops.collectives_per_step == 1
+    assert [g.members for g in fused_ops.last_plan.groups] == [(3, 2), (1, 0)]
+    for a, b, c in zip(via_fused.get_weights(), via_plain.get_weights(),
+                       via_opt.get_weights()):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(via_fused.get_weights()[0], _model().get_weights()[0])
+    assert fused_ops.payload_bytes == plain_ops.payload_bytes < fused_ops.dense_bytes / 2
+    for r_fused, r_plain in zip(next(iter(fused_ops.residuals.values())),
+                                next(iter(plain_ops.residuals.values()))):
+        for x, y in zip(r_fused, r_plain):
+            np.testing.assert_array_equal(x.numpy(), y.numpy())
