@@ -508,7 +508,8 @@ ANATOMY = [
     '''),
     code('''
         DENSITY = 0.05
-        block_comp = tfbs.BlockTopK(layouts, density=DENSITY, metric="l1")
+        block_comp = tfbs.BlockTopK(layouts, density=DENSITY, metric="l1",
+                                    dense_below=0)
         payload, residual = block_comp.compress(grads, block_comp.init())
         sent = block_comp.decompress(payload)
         exact = all(bool(tf.reduce_all(s + r == g)) for s, r, g in zip(sent, residual, grads))
@@ -562,7 +563,7 @@ ANATOMY = [
         entries, each with its own index).
     '''),
     code('''
-        element_comp = tfbs.ElementTopK(layouts, density=DENSITY)
+        element_comp = tfbs.ElementTopK(layouts, density=DENSITY, dense_below=0)
         element_payload, _ = element_comp.compress(grads, element_comp.init())
         element_sent = element_comp.decompress(element_payload)
 
@@ -625,8 +626,8 @@ ANATOMY = [
             return log
 
 
-        logs = {"k=1": run_feedback(tfbs.BlockTopK(layouts, k=1)),
-                "5%": run_feedback(tfbs.BlockTopK(layouts, density=DENSITY))}
+        logs = {"k=1": run_feedback(tfbs.BlockTopK(layouts, k=1, dense_below=0)),
+                "5%": run_feedback(tfbs.BlockTopK(layouts, density=DENSITY, dense_below=0))}
 
         kernels = [j for j, n in enumerate(names) if n.endswith("kernel")]
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))

@@ -5,7 +5,7 @@ Prints one JSON object (all in one process) with:
 ``plans``
     For each variable set (``keras.applications`` ResNet-50 / VGG-16, ``weights=None``, float32
     bytes; execution order *derived* from a trace of the forward pass, the reverse of the order
-    it first reads the variables, :mod:`tf_blocksparse.keras.forward_order`; every method gets
+    it first reads the variables, :mod:`tf_blocksparse.distribute.forward_order`; every method gets
     that same order) and each ``--buffer_mib``: every method of
     :func:`~tf_blocksparse.planning.compare_plans` (groups, largest / smallest bytes,
     imbalance, ``imbalance_excluding_oversized``: groups holding a tensor that fills the buffer

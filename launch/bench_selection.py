@@ -58,7 +58,7 @@ def measure(model_name: str, k: int | None, density: float | None, metric: str,
     model = registry.build_image_model(model_name)
     layouts = blocks.layouts_for(model.trainable_variables, model)
     del model
-    comp = BlockTopK(layouts, k=k, density=density, metric=metric)
+    comp = BlockTopK(layouts, k=k, density=density, metric=metric, dense_below=0)
     rng = np.random.default_rng(0)
     grads = [tf.constant(rng.standard_normal(lay.shape, dtype=np.float32)) for lay in layouts]
     residuals = [tf.Variable(tf.zeros(lay.shape)) for lay in layouts]

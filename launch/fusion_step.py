@@ -1,7 +1,8 @@
 """The ``step_time`` section of ``launch.bench_fusion``: one 2-replica ``MirroredStrategy``
 SGD step with each gradient reduction (per tensor, TF's batched all-reduce with and without
-``bytes_per_pack``, one all-reduce per balanced fusion group, and ``FusedCrossDeviceOps``
-itself), timed interleaved in one process."""
+``bytes_per_pack``, one all-reduce per balanced fusion group, and the dense, bucketed
+``BlockSparseCrossDeviceOps(fusion=plan)`` itself, recorded as ``fused_cross_device_ops``),
+timed interleaved in one process."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from launch import runtime
 from launch.fusion_plans import MIB, model_execution_order, tensor_specs
 from models.registry import build_image_model
 from tf_blocksparse import _compat
-from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps
+from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
 from tf_blocksparse.planning import FusionPlan, plan_balanced, plan_tf_group_by_size
 
 #: The gradient reductions the step is timed with.
@@ -81,7 +82,8 @@ def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_s
                       batch: int, warmup: int, repeats: int, pack_mib: float,
                       classes: int = 10) -> dict:
     """``step_time``: the reductions timed interleaved (A B C D E A B C D E ...); E is
-    ``FusedCrossDeviceOps(plan=...)`` itself, under its own ``MirroredStrategy``."""
+    ``BlockSparseCrossDeviceOps(fusion=plan)`` itself (dense), under its own
+    ``MirroredStrategy``."""
     with strategy.scope():
         model = build_image_model(model_name, image_size, classes)
     specs = tensor_specs(model.trainable_variables)
@@ -99,7 +101,7 @@ def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_s
     # The shipped adapter: a MirroredStrategy whose cross-device ops follow the plan (its
     # reductions are one-device sums, like TF's CPU default, so no collective keys clash).
     fused = tf.distribute.MirroredStrategy(
-        strategy.extended.worker_devices, cross_device_ops=FusedCrossDeviceOps(plan=plan))
+        strategy.extended.worker_devices, cross_device_ops=BlockSparseCrossDeviceOps(fusion=plan))
     with fused.scope():
         fused_model = build_image_model(model_name, image_size, classes)
     steps["fused_cross_device_ops"] = (

@@ -95,8 +95,8 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
 
     ``MirroredStrategy`` over ``devices`` (or ``strategy``); replica ``r`` takes the ``r``-th
     consecutive slice of each global batch and the gradient of ``sum(its losses) / B``; the
-    strategy all-reduces (dense, or ``BlockSparseCrossDeviceOps(**compression)``) and SGD with
-    ``momentum`` updates.
+    strategy all-reduces (dense, or ``BlockSparseCrossDeviceOps`` with the spec's options) and
+    SGD with ``momentum`` updates.
 
     Args:
         make_model: Builds the model (called under the strategy's scope).
@@ -115,14 +115,15 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
     import tensorflow as tf
 
     import tf_blocksparse as tfbs
+    from tf_blocksparse.distribute.hybrid_sync import check_compression
     from tf_blocksparse.distribute.slicing import split_sizes
 
     ops = None
     if strategy is None:
-        # every variable compressed, as HybridTrainer's per-layer exchange does
+        # the spec converted as HybridTrainer converts it: every variable compressed
         # reduction to one device, not collectives: those would wait for the group leader
         # of a cluster this process is connected to (--workers)
-        ops = (tfbs.BlockSparseCrossDeviceOps(**{"dense_below": 0, **compression})
+        ops = (tfbs.BlockSparseCrossDeviceOps(check_compression(compression, "compression"))
                if compression else tf.distribute.ReductionToOneDevice())
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)

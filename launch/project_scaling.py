@@ -122,7 +122,7 @@ def measure_selection(model: keras.Model, k: int | None, density: float | None,
                       repeats: int) -> dict[str, Any]:
     """Payload sizes (per variable, from one compress step) and compress time on this host."""
     layouts = blocks.layouts_for(model.trainable_variables, model)
-    comp = BlockTopK(layouts, k=k, density=density)
+    comp = BlockTopK(layouts, k=k, density=density, dense_below=0)
     rng = np.random.default_rng(0)
     grads = [tf.constant(rng.standard_normal(lay.shape, dtype=np.float32)) for lay in layouts]
     residuals = [tf.Variable(tf.zeros(lay.shape)) for lay in layouts]

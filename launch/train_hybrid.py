@@ -121,6 +121,14 @@ def compression_specs(f: Any) -> tuple[dict | None, dict | None]:
     return {f.compression_groups: spec}, None
 
 
+def group_specs(comp: dict | None) -> dict[str, dict | None]:
+    """The dict spec of each group (``None``: dense), as the JSON record keeps it; the
+    trainer converts them once to ``CompressionOptions``."""
+    if comp and set(comp) <= {"conv", "fc"}:
+        return {g: comp.get(g) for g in ("conv", "fc")}
+    return {"conv": comp, "fc": comp}
+
+
 def run(f: Any = FLAGS) -> dict[str, Any]:
     """Trains as the flags say; returns (and prints) the JSON record."""
     cluster = parse_workers(f.workers) if f.workers else None
@@ -188,8 +196,7 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
         "model": f.model, "dataset": arrays.name, "conv_replicas": f.conv_replicas,
         "fc_replicas": f.fc_replicas, "batch_size": f.batch_size, "steps": f.steps,
         "boundary": trainer.placement()["boundary"],
-        "compression": {"conv": trainer.syncs["conv"].compression,
-                        "fc": trainer.syncs["fc"].compression},
+        "compression": group_specs(comp),
         "exchange_bytes_per_replica": {g: trainer.syncs[g].nbytes() for g in ("conv", "fc")},
         "loss_first": losses[0], "loss_last": losses[-1],
         "step_time_s_median": statistics.median(times[1:] or times),

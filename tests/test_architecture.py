@@ -4,6 +4,9 @@
   (``tf_blocksparse.keras``, ``tf_blocksparse.distribute``, ``tf_blocksparse.auto``), no
   Keras and nothing of the repository's ``launch/`` or ``models/``; adapters import neither
   ``launch`` nor ``models``.
+- ``tf_blocksparse.distribute`` does not import the Keras adapter (``tf_blocksparse.keras``):
+  the exchange shells share the core's hooks, not the optimizer wrapper's code; only the two
+  trainers that split or profile a Keras model (hybrid, pipeline) reuse its model helpers.
 - ``tf_blocksparse.planning`` imports no TensorFlow, Keras or adapter, directly or through the
   package (checked in a fresh interpreter too).
 - The package's import graph (imports inside functions included) has no cycle.
@@ -76,6 +79,18 @@ def test_planning_is_tensorflow_free(path):
            if _under(n, ("tensorflow", "keras", *REPO_ONLY))
            or (n.startswith("tf_blocksparse") and not _under(n, allowed_core)
                and n != "tf_blocksparse")}
+    assert not bad, f"{_rel(path)} imports {sorted(bad)}"
+
+
+#: The trainers that split or profile a Keras model with the Keras adapter's helpers.
+KERAS_MODEL_TRAINERS = ("hybrid_trainer.py", "pipeline_trainer.py")
+DISTRIBUTE_FILES = sorted(p for p in (PKG / "distribute").rglob("*.py")
+                          if p.name not in KERAS_MODEL_TRAINERS)
+
+
+@pytest.mark.parametrize("path", DISTRIBUTE_FILES, ids=_rel)
+def test_distribute_imports_no_keras_adapter(path):
+    bad = {n for n in _imports(path) if _under(n, ("tf_blocksparse.keras",))}
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 

@@ -56,7 +56,7 @@ def test_switching_to_dense_flushes_residuals_nothing_lost(mirrored2):
 
 def test_dense_exchange_with_state_sends_grad_plus_residual():
     lay = blocks.BlockLayout("w", (3, 4), blocks.OUTPUT_CHANNEL, None)
-    comp = BlockTopK([lay], k=1)
+    comp = BlockTopK([lay], k=1, dense_below=0)
     g = np.arange(12, dtype="float32").reshape(3, 4)
     s = np.ones((3, 4), "float32") * 0.5
     ctx = tf.distribute.get_replica_context()

@@ -97,7 +97,7 @@ def test_bind_model_needs_a_model():
 def test_fused_ops_bit_identical_to_default_reduction(mirrored2, buffer_bytes):
     key = ("fused", buffer_bytes)
     if key not in _STRATEGIES:
-        ops = tfbs.FusedCrossDeviceOps(buffer_bytes=buffer_bytes)
+        ops = tfbs.BlockSparseCrossDeviceOps(fusion=buffer_bytes)
         _STRATEGIES[key] = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
                                                            cross_device_ops=ops), ops)
     fused, ops = _STRATEGIES[key]
@@ -113,9 +113,22 @@ def test_fused_ops_bit_identical_to_default_reduction(mirrored2, buffer_bytes):
 
 
 def test_fused_ops_arguments():
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="`fusion`"):
+        tfbs.BlockSparseCrossDeviceOps(fusion=0)
+    with pytest.raises(ValueError, match="`fusion`"):
+        tfbs.BlockSparseCrossDeviceOps(fusion="1MB")
+    dense = tfbs.BlockSparseCrossDeviceOps(fusion=100)
+    assert dense.options is None and dense.k is None and dense.buffer_bytes == 100
+
+
+def test_fused_cross_device_ops_is_a_deprecated_name_of_the_one_class():
+    with pytest.warns(DeprecationWarning, match="BlockSparseCrossDeviceOps"):
+        ops = tfbs.FusedCrossDeviceOps(buffer_bytes=64)
+    assert type(ops) is tfbs.BlockSparseCrossDeviceOps and ops.options is None
+    assert ops.buffer_bytes == 64 and ops.plan is None
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="exactly one"):
         tfbs.FusedCrossDeviceOps()
-    with pytest.raises(ValueError, match="`buffer_bytes`"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="`buffer_bytes`"):
         tfbs.FusedCrossDeviceOps(buffer_bytes=0)
 
 
@@ -172,3 +185,38 @@ def test_nonfinite_gradients_leave_residuals_and_reach_the_optimizer():
     assert np.isnan(summed[0, 0]) and np.isfinite(summed[1:]).all()
     np.testing.assert_allclose(strategy.experimental_local_results(out[1])[0].numpy(),
                                bad[0][1] + bad[1][1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("exchange,dense_below", [("allgather", 0), ("shared", 100)])
+def test_fusion_and_compression_together_match_the_optimizer_wrapper(mirrored2, exchange,
+                                                                      dense_below):
+    """Fusion buckets and block sparsity composed under one MirroredStrategy.
+
+    Every compressor selects per variable (its own ``k`` of its own blocks, from its own
+    scores), so cutting the batch into buckets changes which collectives carry a variable,
+    not what is sent: the weights are those of the unbucketed ops bit for bit, and those of
+    the optimizer wrapper with the same options (and fusion buffer) as closely as the
+    existing parity test (its replica-context sums are TF's collectives, not the ops' sums).
+    """
+    compression = tfbs.CompressionOptions(k=1, exchange=exchange, dense_below=dense_below)
+    fused, fused_ops = _strategy("ops", compression=compression, fusion=64)
+    plain, plain_ops = _strategy("ops", compression=compression)
+    sgd = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    via_fused, _ = _fit(fused, sgd, fused_ops)
+    via_plain, _ = _fit(plain, sgd, plain_ops)
+    via_opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), compression, momentum_correction=None,
+        fusion_buffer_bytes=64))
+    # backward order: dense bias 12 B + kernel 2160 B | conv bias 20 B + kernel 180 B
+    assert fused_ops.collectives_per_step == 2 and plain_ops.collectives_per_step == 1
+    assert [g.members for g in fused_ops.last_plan.groups] == [(3, 2), (1, 0)]
+    for a, b, c in zip(via_fused.get_weights(), via_plain.get_weights(),
+                       via_opt.get_weights()):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(via_fused.get_weights()[0], _model().get_weights()[0])
+    assert fused_ops.payload_bytes == plain_ops.payload_bytes < fused_ops.dense_bytes / 2
+    for r_fused, r_plain in zip(next(iter(fused_ops.residuals.values())),
+                                next(iter(plain_ops.residuals.values()))):
+        for x, y in zip(r_fused, r_plain):
+            np.testing.assert_array_equal(x.numpy(), y.numpy())

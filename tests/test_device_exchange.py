@@ -60,7 +60,7 @@ def test_run_over_devices_matches_reference(mode, dense_below):
 
 @pytest.mark.parametrize("mode", ["allgather", "shared"])
 def test_run_on_devices_commits_residuals_and_falls_back_when_not_finite(mode):
-    comp = BlockTopK(LAYOUTS, k=1)
+    comp = BlockTopK(LAYOUTS, k=1, dense_below=0)
     grads, state = _inputs()
     residuals = []
     for r, dev in enumerate(DEVICES):

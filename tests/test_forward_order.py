@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tests.test_optimizer import train_lazily
-from tf_blocksparse.keras.forward_order import (
+from tf_blocksparse.distribute.forward_order import (
     backward_ranks,
     derive_execution_order,
     forward_use_order,
@@ -194,7 +194,7 @@ def _reduce(strategy, model):
 
 
 def test_fused_ops_bound_model_gives_the_order():
-    ops = tfbs.FusedCrossDeviceOps(buffer_bytes=100)
+    ops = tfbs.BlockSparseCrossDeviceOps(fusion=100)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
     with strategy.scope():
         model = _out_of_order()

@@ -224,7 +224,7 @@ def test_block_sparse_inside_groups() -> None:
     only_fc = HybridTrainer(_vgg(), CPUS, ["/cpu:1"], _sgd(), _loss(),
                             compression={"fc": {"density": 0.1, "metric": "l2"}})
     assert only_fc.syncs["conv"].compression is None and not only_fc.syncs["conv"].residuals
-    assert only_fc.syncs["fc"].compression["metric"] == "l2"
+    assert only_fc.syncs["fc"].compression.metric == "l2"
 
 
 def test_block_sparse_matches_block_sparse_data_parallel() -> None:

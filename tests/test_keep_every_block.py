@@ -20,7 +20,7 @@ def _layouts():
     ({"density": 1.0}, True), ({"k": 10**6}, True), ({"k": 1, "dense_below": 10**6}, True),
     ({"density": 0.5}, False), ({"k": 1}, False)])
 def test_keeps_all_and_its_bytes(kwargs, keeps_all):
-    comp = BlockTopK(_layouts(), **kwargs)
+    comp = BlockTopK(_layouts(), **{"dense_below": 0, **kwargs})
     assert comp.keeps_all == keeps_all
     dense = dense_nbytes([tf.zeros((6, 4)), tf.zeros((4,))])
     cost = group_cost(comp, ["float32", "float32"])

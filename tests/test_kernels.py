@@ -245,7 +245,7 @@ def test_nan_and_inf_take_the_same_blocks_on_both_paths(metric):
     grads[2][4, 6] = -np.inf
     state = [tf.constant(rng.standard_normal(lay.shape).astype(np.float32)) for lay in layouts]
     grads = [tf.constant(g) for g in grads]
-    fused, plain = _both_paths(BlockTopK(layouts, k=2, metric=metric), grads, state)
+    fused, plain = _both_paths(BlockTopK(layouts, k=2, metric=metric, dense_below=0), grads, state)
     _same_exchange(fused, plain)
     assert 4 in fused[0][0].numpy()
     assert np.isnan(fused[2][1].numpy()).any() or 3 in fused[0][1].numpy()
@@ -259,7 +259,7 @@ def test_zero_size_variables_and_k_beyond_the_blocks_match_the_tf_path():
     rng = np.random.default_rng(6)
     grads = [tf.constant(rng.standard_normal(lay.shape).astype(np.float32)) for lay in layouts]
     state = [tf.zeros(lay.shape) for lay in layouts]
-    fused, plain = _both_paths(BlockTopK(layouts, k=50), grads, state)
+    fused, plain = _both_paths(BlockTopK(layouts, k=50, dense_below=0), grads, state)
     _same_exchange(fused, plain)
     assert [int(tf.size(i)) for i in fused[0]] == [0, 3, 4]
     for residual in fused[2]:
@@ -283,11 +283,11 @@ def test_a_wide_layer_scores_in_bounded_row_ranges(metric):
 
 def test_ties_go_to_the_lower_block_id():
     lay = _layout((3, 3, 4, 10), "output_channel")
-    comp = BlockTopK([lay], k=3)
+    comp = BlockTopK([lay], k=3, dense_below=0)
     ones = tf.ones(lay.shape)
     payload, _ = comp.compress([ones], [tf.zeros(lay.shape)])
     np.testing.assert_array_equal(np.sort(payload.ids[0].numpy()), [0, 1, 2])
-    one = BlockTopK([lay], k=1).compress([ones], [tf.zeros(lay.shape)])[0]
+    one = BlockTopK([lay], k=1, dense_below=0).compress([ones], [tf.zeros(lay.shape)])[0]
     np.testing.assert_array_equal(one.ids[0].numpy(), [0])
 
 
@@ -324,7 +324,7 @@ COMPRESS = """
         warnings.simplefilter("always")
         {load}
         for _ in range(2):
-            payload, state = BlockTopK([lay], k=2).compress([g], [tf.zeros_like(g)])
+            payload, state = BlockTopK([lay], k=2, dense_below=0).compress([g], [tf.zeros_like(g)])
     assert sorted(payload.ids[0].numpy()) == [6, 7], payload.ids
     assert kernels.path_name() == "tf"
     print("WARNINGS", len([w for w in caught if "tf_blocksparse" in str(w.message)]))

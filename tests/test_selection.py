@@ -235,7 +235,7 @@ def _sorted_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.n
 @given(spec=compressors(), seed=st.integers(0, 2**16), jit=st.booleans())
 def test_compress_conserves_and_matches_reference(spec, seed, jit):
     lays, kw, metric = spec
-    comp = BlockTopK(lays, metric=metric, **kw)
+    comp = BlockTopK(lays, metric=metric, **{"dense_below": 0, **kw})
     grads = [_data(seed + i, lay.shape) for i, lay in enumerate(lays)]
     state = [_data(seed + 100 + i, lay.shape, -8, 9) for i, lay in enumerate(lays)]
 
@@ -271,7 +271,7 @@ def test_compress_conserves_and_matches_reference(spec, seed, jit):
 def test_compress_conserves_arbitrary_floats(spec, seed):
     """Any float data: decompress(payload) + new_state == grad + state (TF's acc) exactly."""
     lays, kw, metric = spec
-    comp = BlockTopK(lays, metric=metric, **kw)
+    comp = BlockTopK(lays, metric=metric, **{"dense_below": 0, **kw})
     rng = np.random.default_rng(seed)
     grads = [tf.constant(rng.standard_normal(lay.shape).astype(np.float32) * 1e3)
              for lay in lays]
@@ -286,7 +286,7 @@ def test_compress_conserves_arbitrary_floats(spec, seed):
 def test_init_and_payload_types():
     lays = [blocks.BlockLayout("a", (4, 3), blocks.OUTPUT_CHANNEL),
             blocks.BlockLayout("b", (5,), blocks.ELEMENT)]
-    comp = BlockTopK(lays, density=0.5)
+    comp = BlockTopK(lays, density=0.5, dense_below=0)
     state = comp.init()
     assert [tuple(s.shape) for s in state] == [(4, 3), (5,)]
     assert comp.counts == (2, 3)
@@ -301,7 +301,8 @@ def test_init_and_payload_types():
 
 def _comp() -> BlockTopK:
     return BlockTopK([blocks.BlockLayout("m/a", (4, 3), blocks.OUTPUT_CHANNEL),
-                      blocks.BlockLayout("m/b", (5,), blocks.ELEMENT)], k=1)
+                      blocks.BlockLayout("m/b", (5,), blocks.ELEMENT)], k=1,
+                     dense_below=0)
 
 
 def test_compress_wrong_number_of_tensors():
@@ -396,7 +397,7 @@ def test_single_replica_exchange_matches_reference(mode):
     lays = [blocks.BlockLayout("m/k", (3, 3, 2, 4), blocks.OUTPUT_CHANNEL),
             blocks.BlockLayout("m/t", (2, 2, 5, 3), blocks.TRANSPOSE_FILTER),
             blocks.BlockLayout("m/b", (6,), blocks.ELEMENT)]
-    comp = BlockTopK(lays, density=0.5, metric="l2")
+    comp = BlockTopK(lays, density=0.5, metric="l2", dense_below=0)
     grads = [_data(i, lay.shape) for i, lay in enumerate(lays)]
     state = [_data(i + 10, lay.shape, -8, 9) for i, lay in enumerate(lays)]
     out = exchange.run_exchange(mode, tf.distribute.get_replica_context(), comp,

@@ -3,7 +3,8 @@
 Core: :mod:`~tf_blocksparse.blocks` (block-rule table), :mod:`~tf_blocksparse.options` (the
 one options object), :mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.feedback`,
 :mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.collectives`,
-:mod:`~tf_blocksparse.exchange` (the one exchange), :mod:`~tf_blocksparse.clipping`, and the
+:mod:`~tf_blocksparse.exchange` (the one exchange), :mod:`~tf_blocksparse.hooks` (its entry
+point per fusion bucket), :mod:`~tf_blocksparse.clipping`, and the
 TensorFlow-free planners of :mod:`tf_blocksparse.planning`.  Adapters:
 :mod:`tf_blocksparse.keras`, :mod:`tf_blocksparse.distribute` and the automatic exchange
 :mod:`tf_blocksparse.auto`.  The local multi-worker
@@ -45,7 +46,7 @@ _EXPORTS = {
     "ElementTopK": "tf_blocksparse.feedback",
     "EvalResult": "tf_blocksparse.keras.evaluation",
     "ExactValidation": "tf_blocksparse.keras.evaluation",
-    "FusedCrossDeviceOps": "tf_blocksparse.distribute.fused_ops",
+    "FusedCrossDeviceOps": "tf_blocksparse.distribute.fused_ops",  # deprecated name
     "HybridTrainer": "tf_blocksparse.distribute.hybrid_trainer",
     "MomentumCorrection": "tf_blocksparse.keras.momentum",
     "MultiWorkerMirroredStrategy": "tf_blocksparse.distribute.strategy",

@@ -98,4 +98,17 @@ class DeviceCollectives:
             return bufs[0] if len(bufs) == 1 else tf.add_n(list(bufs))
 
     def sum_each(self, tensors: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
-        return [self.sum(column) for column in zip(*tensors)]
+        """One packed sum: each replica's tensors flattened into one buffer on its device
+        (when they share a dtype), summed, and cut back [*shape_i]; element-wise the same
+        bits as a sum per tensor."""
+        first = list(tensors[0])
+        if len(first) < 2 or len({t.dtype for t in first}) != 1:
+            return [self.sum(column) for column in zip(*tensors)]
+        bufs = []
+        for r, mine in enumerate(tensors):
+            with self.local(r):
+                bufs.append(tf.concat([tf.reshape(t, [-1]) for t in mine], 0))
+        summed = self.sum(bufs)
+        with self.combine():
+            sizes = [t.shape.num_elements() for t in first]
+            return [tf.reshape(piece, t.shape) for piece, t in zip(tf.split(summed, sizes), first)]

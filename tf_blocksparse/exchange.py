@@ -1,9 +1,10 @@
 """The one exchange of the project: error feedback, block selection and the collectives.
 
 :func:`run` does one step for the local replicas of a :mod:`~tf_blocksparse.collectives`
-object: the Keras optimizer wrapper calls it in replica context (:func:`run_exchange`), the
-``BlockSparseCrossDeviceOps`` and the hybrid trainer's group sync over a device list
-(:func:`tf_blocksparse.distribute.device_exchange.run_on_devices`).  Three modes, each a
+object.  Every shell reaches it through the bucketed exchange hooks of
+:mod:`tf_blocksparse.hooks`, one call per fusion bucket: the Keras optimizer wrapper in
+replica context, ``BlockSparseCrossDeviceOps`` and the hybrid trainer's group sync over a
+device list (:mod:`tf_blocksparse.distribute.device_exchange`).  Three modes, each a
 fixed, small number of collectives per step whatever the number of variables (all variables
 are packed into one buffer per kind):
 

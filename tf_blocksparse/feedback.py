@@ -89,7 +89,9 @@ class BlockTopK:
       metric: ``"l1"`` or ``"l2"``.
       dense_below: Variables with fewer than this many elements keep all their blocks
         every step (sent whole, no residual), as DGC leaves small layers uncompressed;
-        0 (default) compresses every variable.
+        0 compresses every variable.  Default: the one default of the project,
+        ``CompressionOptions``' (:data:`~tf_blocksparse.options.DEFAULT_DENSE_BELOW`);
+        :func:`compressor_for` passes the options' value.
 
     Attributes:
       counts: Per variable, the blocks kept each step.
@@ -98,7 +100,8 @@ class BlockTopK:
     """
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
-                 density: float | None = None, metric: str = "l1", dense_below: int = 0):
+                 density: float | None = None, metric: str = "l1",
+                 dense_below: int = DEFAULT_DENSE_BELOW):
         check_choice(metric, METRICS, "metric")
         self.k, self.density = validate_k_density(k, density)
         self.dense_below = validate_dense_below(dense_below)
@@ -199,7 +202,8 @@ class ElementTopK(BlockTopK):
     """
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
-                 density: float | None = None, metric: str = "l1", dense_below: int = 0):
+                 density: float | None = None, metric: str = "l1",
+                 dense_below: int = DEFAULT_DENSE_BELOW):
         super().__init__([dataclasses.replace(lay, rule=ELEMENT) for lay in layouts],
                          k, density, metric, dense_below)
 

@@ -41,9 +41,10 @@ NONFINITE = ("skip", "apply")
 MASKINGS = ("all", "waited", "none")
 #: ``momentum_correction="auto"``: move an inner ``SGD``'s momentum before the exchange.
 AUTO = "auto"
-#: Default ``dense_below`` of the optimizer wrapper and the CrossDeviceOps: variables with
-#: fewer elements (biases, normalisation vectors, first convolutions, small heads) are sent
-#: whole every step.  The core compressors themselves default to 0 (compress everything).
+#: The one default ``dense_below`` (of :class:`CompressionOptions`, hence of every shell, and
+#: of the compressors built without options): variables with fewer elements (biases,
+#: normalisation vectors, first convolutions, small heads) are sent whole every step.
+#: ``dense_below=0`` compresses every variable.
 DEFAULT_DENSE_BELOW = 1024
 
 

@@ -8,7 +8,7 @@ layer (the replica's compute device, or the host device for layers in "expanded"
 variable ``v`` depends only on the replicas' gradients of ``v``, so it can start as soon as
 those are ready (during the rest of the backward pass).  Dense: one sum on the group's first
 compute device.  Block-sparse: the project's one exchange over the replicas' devices
-(:func:`~tf_blocksparse.distribute.device_exchange.run_on_devices`, as in
+(the exchange hook of :mod:`tf_blocksparse.hooks`, one bucket per variable, as in
 :class:`~tf_blocksparse.distribute.cross_device_ops.BlockSparseCrossDeviceOps`), per variable:
 error feedback ``acc = grad + residual``, the top-k blocks of ``acc`` by L1/L2 score (a Dense
 kernel's block is one output unit's incoming weights, a conv kernel's one filter), ``residual =
@@ -27,8 +27,7 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import blocks
-from tf_blocksparse.collectives import DeviceCollectives
-from tf_blocksparse.distribute.device_exchange import run_on_devices
+from tf_blocksparse.distribute.device_exchange import exchange_on_devices, sum_on_devices
 from tf_blocksparse.distribute.devices import device_key
 from tf_blocksparse.distribute.replica import Replica
 from tf_blocksparse.distribute.slicing import split_sizes
@@ -41,17 +40,18 @@ __all__ = ["GroupSync", "ancestors", "check_compression", "check_devices",
 
 
 def check_compression(spec: Mapping[str, Any] | CompressionOptions | None, arg: str
-                      ) -> dict[str, Any] | CompressionOptions | None:
-    """Validates a group's compression; ``None`` means dense.
+                      ) -> CompressionOptions | None:
+    """A group's compression as the one options object; ``None`` means dense.
+
+    The dict form ``{"k" | "density", "metric"}`` (the launchers') is converted here, once:
+    every variable compressed (``dense_below=0``) with ``"allgather"``.
 
     Args:
-        spec: ``None``, a :class:`~tf_blocksparse.options.CompressionOptions`, or a spec
-            ``{"k" | "density", "metric"}`` (every variable compressed, ``"allgather"``).
+        spec: ``None``, a :class:`~tf_blocksparse.options.CompressionOptions`, or a dict.
         arg: The argument's name, for errors.
 
     Returns:
-        ``None``, the options as given, or the spec normalised (``k``, ``density``,
-        ``metric``).
+        ``None`` or the :class:`~tf_blocksparse.options.CompressionOptions`.
 
     Raises:
         ValueError: Unknown keys, bad ``k`` / ``density`` or ``metric`` (naming ``arg``).
@@ -62,20 +62,11 @@ def check_compression(spec: Mapping[str, Any] | CompressionOptions | None, arg: 
         raise ValueError(f"{arg} must be None, a tfbs.CompressionOptions or a dict with keys "
                          f"k, density, metric; got {spec!r}")
     try:
-        opts = _spec_options(spec)
+        return CompressionOptions(k=spec.get("k"), density=spec.get("density"),
+                                  metric=spec.get("metric", "l1"), exchange="allgather",
+                                  dense_below=0)
     except ValueError as err:
         raise ValueError(f"{arg}: {err}") from err
-    return {"k": opts.k, "density": opts.density, "metric": opts.metric}
-
-
-def _spec_options(spec: Mapping[str, Any] | CompressionOptions | None
-                  ) -> CompressionOptions | None:
-    """The options of a checked spec: a dict compresses every variable (``dense_below=0``)."""
-    if spec is None or isinstance(spec, CompressionOptions):
-        return spec
-    return CompressionOptions(k=spec.get("k"), density=spec.get("density"),
-                              metric=spec.get("metric", "l1"), exchange="allgather",
-                              dense_below=0)
 
 
 def check_devices(devices: Any, arg: str) -> list[str]:
@@ -182,24 +173,32 @@ def variable_bytes(rep: Replica, optimizers: Sequence[keras.optimizers.Optimizer
 class GroupSync:
     """Variable-by-variable gradient sum over one group's replicas (module docstring).
 
+    Every variable is its own fusion bucket, exchanged by the project's exchange hooks
+    (:func:`~tf_blocksparse.hooks.dense_hook` or :func:`~tf_blocksparse.hooks.block_sparse_hook`
+    through :mod:`~tf_blocksparse.distribute.device_exchange`), so its sum depends on no
+    other variable's gradients.
+
     Args:
         replicas: The group's replicas (same variables, in the same order).
         model: The original model (gives the block rule of each variable's layer).
-        compression: ``None`` (dense) or a checked spec or options (:func:`check_compression`).
+        compression: ``None`` (dense) or a :class:`~tf_blocksparse.options.CompressionOptions`
+            (the launchers' dict form converts by :func:`check_compression`).
         name: Group name (``"conv"`` / ``"fc"``), used in op and variable names.
 
     Attributes:
-        compression: As given.
+        compression: The options given, or ``None``.
         options: The :class:`~tf_blocksparse.options.CompressionOptions` applied, or
             ``None`` when the group sums densely.
+
+    Raises:
+        ValueError: ``exchange="auto"`` or ``dense_steps`` (the optimizer wrapper's alone).
     """
 
     def __init__(self, replicas: Sequence[Replica], model: keras.Model,
-                 compression: Mapping[str, Any] | CompressionOptions | None, name: str) -> None:
+                 compression: CompressionOptions | None, name: str) -> None:
         self.replicas = list(replicas)
         self.name = name
-        self.compression = compression
-        options = _spec_options(compression)
+        options = self.compression = check_compression(compression, "compression")
         if options is not None and options.auto:
             raise ValueError(f"`compression` of group {name!r}: exchange='auto' (the "
                              "CompressionOptions default) is only supported by "
@@ -237,9 +236,10 @@ class GroupSync:
     def reduce(self, grads: Sequence[Sequence[tf.Tensor]]) -> tuple[list, list]:
         """Sums ``grads[r][v]`` over replicas ``r`` for every variable ``v``.
 
-        Dense: one sum per variable on the group's first compute device.  Block-sparse: the
-        project's exchange per variable
-        (:func:`~tf_blocksparse.distribute.device_exchange.run_on_devices`).
+        Each variable is one bucket of its own: dense, one sum on the group's first compute
+        device (:func:`~tf_blocksparse.distribute.device_exchange.sum_on_devices`);
+        block-sparse, the project's exchange with its own non-finite fallback
+        (:func:`~tf_blocksparse.distribute.device_exchange.exchange_on_devices`).
 
         Returns:
             ``(totals, per_replica)``: ``totals[v]`` the sum [*shape_v] on the group's first
@@ -249,13 +249,14 @@ class GroupSync:
         totals = []
         for v in range(len(self.layouts)):
             with tf.name_scope(f"{self.name}_allreduce_{v}"):
-                column = [g[v] for g in grads]
+                column = [[g[v]] for g in grads]
                 if not self.compressors:
-                    totals.append(DeviceCollectives(devices).sum(column))
+                    totals.append(sum_on_devices(devices, column)[0])
                 else:
-                    totals.append(run_on_devices(
-                        devices, self.options.exchange, self.compressors[v],
-                        [[g] for g in column], [[res[v]] for res in self.residuals])[0])
+                    totals.append(exchange_on_devices(
+                        devices, self.options.exchange,
+                        lambda bucket, c=self.compressors[v]: c, column,
+                        [[res[v]] for res in self.residuals])[0])
         per_replica = []
         for rep in self.replicas:
             copies = []

@@ -63,6 +63,7 @@ from tf_blocksparse.distribute.losses import loss_part, per_example_loss
 from tf_blocksparse.distribute.replica import Replica, average_state, clone_optimizer
 from tf_blocksparse.distribute.slicing import reslice
 from tf_blocksparse.keras.hybrid_split import Boundary, find_boundary, split_model
+from tf_blocksparse.options import CompressionOptions
 
 __all__ = ["HybridTrainer"]
 
@@ -88,7 +89,7 @@ class HybridTrainer(FitLoop):
     def __init__(self, model: keras.Model, conv_devices: Sequence[str],
                  fc_devices: Sequence[str], optimizer: Any, loss: Any,
                  boundary: Boundary | str | None = None, host_device: str = "/cpu:0",
-                 compression: Mapping[str, Any] | None = None,
+                 compression: CompressionOptions | Mapping[str, Any] | None = None,
                  offload: str | Iterable[str] | Any = "fc") -> None:
         """Splits the model and builds the replicas, syncs and optimizers.
 
@@ -104,9 +105,12 @@ class HybridTrainer(FitLoop):
             boundary: Where to split: a ``Boundary``, the name of the first head layer, or
                 ``None`` for the input of the first Dense after the last convolution.
             host_device: Where the expanded-memory layers keep their state.
-            compression: ``None`` (dense all-reduce), ``{"k" | "density", "metric"}`` for
-                block-sparse exchange in both groups, or ``{"conv": spec | None, "fc": spec |
-                None}`` per group.
+            compression: ``None`` (dense all-reduce), a
+                :class:`~tf_blocksparse.options.CompressionOptions` for both groups, or
+                ``{"conv": options | None, "fc": options | None}`` per group.  The
+                launchers' dict form ``{"k" | "density", "metric"}`` is accepted in place of
+                options and converted once by :func:`check_compression` (every variable
+                compressed, ``"allgather"``).
             offload: ``"fc"`` (every head layer in expanded memory), ``"none"``, layer names,
                 or a plan with ``expanded_layers`` (e.g. a ``PlacementPlan``).
 
@@ -167,7 +171,7 @@ class HybridTrainer(FitLoop):
         return frozenset(chosen)
 
     @staticmethod
-    def _resolve_compression(compression: Any) -> dict[str, dict | None]:
+    def _resolve_compression(compression: Any) -> dict[str, CompressionOptions | None]:
         if isinstance(compression, Mapping) and compression and set(compression) <= set(GROUPS):
             return {g: check_compression(compression.get(g), f"compression[{g!r}]")
                     for g in GROUPS}

@@ -41,11 +41,11 @@ from tf_blocksparse import _compat, blocks, codec
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
+from tf_blocksparse.distribute.forward_order import backward_ranks
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.keras import dense_phase, local_steps, loss_scale, replica_state
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
-from tf_blocksparse.keras.forward_order import backward_ranks
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
     OptionsView,
@@ -116,7 +116,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         layers are found among the live Keras layers at build time; either way every
         variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
         With it (and ``fusion_buffer_bytes``) the backward order is derived from a trace of
-        its forward pass at build time (:mod:`tf_blocksparse.keras.forward_order`).
+        its forward pass at build time (:mod:`tf_blocksparse.distribute.forward_order`).
       name: Optimizer name.
       **options: The arguments of ``CompressionOptions`` (instead of ``compression``) and
         ``momentum_masking``.

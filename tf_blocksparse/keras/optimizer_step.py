@@ -12,8 +12,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import _compat, codec
-from tf_blocksparse.exchange import ExchangeResult, run_exchange
+from tf_blocksparse import _compat, codec, hooks
+from tf_blocksparse.collectives import ReplicaCollectives
+from tf_blocksparse.exchange import ExchangeResult
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
 
@@ -156,7 +157,9 @@ def run_grouped_exchange(mode: str | Sequence[str], ctx: tf.distribute.ReplicaCo
                          grads: Sequence[tf.Tensor], state: Sequence[tf.Tensor] | None,
                          groups: Sequence[Sequence[int]], metric: str = "l1"
                          ) -> ExchangeResult:
-    """One exchange per fusion group (its own packed buffers and collectives), combined.
+    """One exchange per fusion group (its own packed buffers and collectives), combined:
+    :func:`tf_blocksparse.hooks.block_sparse_hook` on every group's bucket, the entry point
+    the CrossDeviceOps and the hybrid trainer's group sync call too.
 
     Groups come in execution (backward) order, so a group's collectives depend only on its
     own members' gradients and can start while earlier layers' backward still runs.
@@ -171,36 +174,9 @@ def run_grouped_exchange(mode: str | Sequence[str], ctx: tf.distribute.ReplicaCo
       groups: Positions in ``grads``; every position exactly once.
       metric: ``"l1"`` or ``"l2"`` (to combine the residual norms).
     """
-    n = len(grads)
-    updates: list[tf.Tensor | None] = [None] * n
-    residuals: list[tf.Tensor | None] = [None] * n
-    sent: list[tf.Tensor | None] = [None] * n
-    parts = []
-    modes = [mode] * len(groups) if isinstance(mode, str) else list(mode)
-    if len(modes) != len(groups):
-        raise ValueError(f"got {len(modes)} modes for {len(groups)} groups")
-    for group, group_mode in zip(groups, modes):
-        sub_state = None if state is None else [state[i] for i in group]
-        if sub_state is not None and all(s is None for s in sub_state):
-            sub_state = None  # a dense group that carries no state
-        r = run_exchange(group_mode, ctx, make_comp(group), [grads[i] for i in group],
-                         sub_state)
-        parts.append(r)
-        for j, i in enumerate(group):
-            updates[i] = r.updates[j]
-            if r.residuals is not None:
-                residuals[i] = r.residuals[j]
-            if r.sent_ids is not None:
-                sent[i] = r.sent_ids[j]
-    if len(parts) == 1 and list(groups[0]) == list(range(n)):
-        return parts[0]
-    if any(u is None for u in updates):
-        raise ValueError("`groups` must cover every gradient exactly once")
-    norms = [p.residual_norm for p in parts]
-    norm = tf.add_n(norms) if metric == "l1" else tf.sqrt(tf.add_n([x * x for x in norms]))
-    return ExchangeResult(
-        tuple(updates), None if state is None else tuple(residuals),
-        tf.reduce_all(tf.stack([p.finite for p in parts])),
-        sum(p.payload_bytes for p in parts), sum(p.dense_bytes for p in parts),
-        sum(p.blocks_kept for p in parts), norm,
-        None if state is None else tuple(sent))
+    hook_state = hooks.HookState(
+        ReplicaCollectives(ctx), mode if isinstance(mode, str) else tuple(mode),
+        lambda bucket: make_comp(list(bucket.variables)),
+        None if state is None else [list(state)])
+    buckets = hooks.buckets_for([list(grads)], groups)
+    return hooks.exchange_buckets(hooks.block_sparse_hook, hook_state, buckets, metric)[0]

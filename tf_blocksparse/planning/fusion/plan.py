@@ -169,7 +169,7 @@ def execution_order(num_tensors: int,
 
     Backpropagation visits the variables in the reverse of the order the forward pass first
     used them.  ``forward_use_order`` is that order as variable indices; the TF adapter
-    :func:`tf_blocksparse.keras.forward_order.forward_use_order` derives it from a trace of the
+    :func:`tf_blocksparse.distribute.forward_order.forward_use_order` derives it from a trace of the
     model's forward pass (first read of each variable's handle).  Without it (``None``: no
     model known) this falls back to the reverse of the list order, which is right when the
     variables are listed in use order (Sequential models, functional chains) and only an
