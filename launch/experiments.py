@@ -51,13 +51,19 @@ METHODS: dict[str, tuple[str, ...]] = {
     "block_k1_waited": ("--compression=block", "--momentum_masking=waited"),
     "topk": ("--compression=topk", "--density={density}", "--exchange=allgather"),
     "topk_1pct": ("--compression=topk", "--density=0.01", "--exchange=allgather"),
+    # Local steps (docs/local_steps.md): 32 steps per exchange, an outer Nesterov SGD(0.7,
+    # momentum 0.9); DiLoCo's dense exchange of the progress, or 5% of the blocks in int8.
+    "local_dense": ("--compression=dense", "--sync_every=32"),
+    "local_block": ("--compression=block", "--density=0.05", "--exchange=allgather",
+                    "--quantize=int8", "--sync_every=32"),
 }
 #: The methods of ``launch.demo`` under the names its table prints.
 DEMO_METHODS = {"dense": "dense", "block default": "block_auto_default",
                 "block k=1": "block_default", "block literal": "block_source"}
 #: The methods ``launch.bench_convergence`` may run, in its table's order.
 CONVERGENCE_METHODS = ("dense", "block_default", "block_allgather", "block_source",
-                       "block_k1_dgc", "block_k1_waited", "topk_1pct")
+                       "block_k1_dgc", "block_k1_waited", "topk_1pct", "local_dense",
+                       "local_block")
 #: The methods ``launch.bench_time_to_accuracy`` may run (dense sets the target).
 TIME_TO_ACCURACY_METHODS = ("dense", "block_allgather", "block_shared", "topk", "block_auto")
 

@@ -25,13 +25,14 @@ def _valid_densities(values: list[str]) -> bool:
         return False
 
 
-_SPARSE_ONLY = ("k", "density", "density_warmup", "dense_below", "momentum_masking")
+_SPARSE_ONLY = ("k", "density", "density_warmup", "dense_below", "momentum_masking",
+                "quantize")
 
 
 def _dense_takes_no_sparse_options(values: dict) -> bool:
     if values["compression"] != "dense":
         return True
-    return all(values[name] in (None, []) for name in _SPARSE_ONLY)
+    return all(values[name] in (None, [], "none") for name in _SPARSE_ONLY)
 
 
 def _valid_shape(values: list[str]) -> bool:
@@ -101,6 +102,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "fusion groups of about this many bytes (one set of collectives per "
                          "group; --exchange=auto decides per group); 0: one group.",
                          lower_bound=0, **fv)
+    flags.DEFINE_enum("quantize", "none", ["none", "bfloat16", "int8", "int4"],
+                      "Sparse methods with --exchange=allgather: how the selected block "
+                      "values travel (int8/int4: a float32 scale per block); the "
+                      "quantisation error stays in the residual.", **fv)
     flags.DEFINE_integer("sync_every", 0, "Local steps: every worker trains alone for this "
                          "many steps, then the workers' progress is exchanged (compressed as "
                          "--compression says) and applied by an outer Nesterov SGD; 0: every "
@@ -188,6 +193,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.register_multi_flags_validator(
         ["compression", *_SPARSE_ONLY], _dense_takes_no_sparse_options,
         "--compression=dense sends every gradient whole: --k, --density, --density_warmup, "
+        "--quantize, "
         "--dense_below and --momentum_masking apply only to --compression=block or topk", **fv)
     flags.register_multi_flags_validator(
         ["save_freq", "model_dir"], lambda f: not f["save_freq"] or f["model_dir"],

@@ -78,7 +78,8 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
                    exchange: str, lr, momentum: float, global_momentum: bool = False,
                    dense_below: int | None = None, momentum_masking: str | None = None,
                    fusion_buffer_bytes: int = 0, sync_every: int = 0,
-                   outer_lr: float = 0.7, outer_momentum: float = 0.9):
+                   outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                   quantize: str = "none"):
     """``BlockSparseOptimizer(SGD(lr, momentum))`` as ``--compression`` asks, with the
     library's defaults for every option left ``None`` / ``False``.
 
@@ -105,6 +106,8 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
         extra["dense_below"] = dense_below
     if momentum_masking is not None:
         extra["momentum_masking"] = momentum_masking
+    if quantize != "none":
+        extra["quantize"] = quantize
     if compression == "topk":
         return tfbs.BlockSparseOptimizer(inner, k=k, density=density if k else density or 0.01,
                                          metric=metric, exchange=exchange,
@@ -153,7 +156,7 @@ def run(argv_flags=FLAGS) -> dict:
         opt = make_optimizer(f.compression, f.k, f.density, f.metric, f.exchange, lr,
                              f.momentum, f.global_momentum, f.dense_below,
                              f.momentum_masking, f.fusion_buffer_bytes, f.sync_every,
-                             f.outer_lr, f.outer_momentum)
+                             f.outer_lr, f.outer_momentum, f.quantize)
         if sequence:
             from models import nmt
             loss, metrics = nmt.masked_sparse_ce, [nmt.token_accuracy]

@@ -46,7 +46,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_blocksparse import codec, selection
+from tf_blocksparse import codec, quantize, selection
 from tf_blocksparse.collectives import ReplicaCollectives
 from tf_blocksparse.feedback import BlockTopK, Prepared, take_blocks
 from tf_blocksparse.options import EXCHANGES, check_choice
@@ -94,8 +94,11 @@ def selection_nbytes(comp: BlockTopK, dtypes: Sequence[Any]) -> int:
     """Bytes of what one replica selects per step: an int32 id per kept block of each
     compressed variable and the values of every kept block (a variable sent whole: all its
     values, no ids; a compressor that keeps every block: the dense bytes)."""
-    return sum((0 if whole or comp.keeps_all else 4 * n) + n * lay.block_size
-               * tf.as_dtype(dt).size
+    def values(lay: Any, n: int, whole: bool, dt: Any) -> int:
+        mode = "none" if whole or comp.keeps_all else comp.quantize
+        return quantize.value_nbytes(n, lay.block_size, mode, tf.as_dtype(dt).size)
+
+    return sum((0 if whole or comp.keeps_all else 4 * n) + values(lay, n, whole, dt)
                for lay, n, whole, dt in zip(comp.layouts, comp.counts, comp.whole, dtypes))
 
 
@@ -111,7 +114,8 @@ def group_cost(comp: BlockTopK, dtypes: Sequence[Any], compress_s: float = 0.0) 
         dense_bytes=sum(lay.size * it for lay, it in zip(comp.layouts, sizes)),
         whole_bytes=whole,
         id_bytes=4 * (sum(n for n, _, _ in parts) + 1) if parts else 0,
-        value_bytes=sum(n * lay.block_size * it for n, lay, it in parts),
+        value_bytes=sum(quantize.value_nbytes(n, lay.block_size, comp.quantize, it)
+                        for n, lay, it in parts),
         score_bytes=4 * sum(lay.num_blocks for _, lay, _ in parts),
         compress_s=compress_s)
 
@@ -208,16 +212,31 @@ def _results(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared],
     return out
 
 
+def _quantised(comp: BlockTopK, values: Sequence[tf.Tensor], residuals: dict[int, tf.Tensor],
+               ids: Sequence[tf.Tensor], sparse: Sequence[int]) -> list[tf.Tensor]:
+    """Encodes the selected blocks ``values`` [k_v, bs_v] as int32 words and adds each
+    value's quantisation error (what was taken minus what is sent) to its residual."""
+    words = []
+    for p, v in zip(sparse, values):
+        w, sent = quantize.encode(v, comp.quantize)
+        words.append(w)
+        residuals[p] = residuals[p] + selection.scatter_blocks(v - sent, ids[p],
+                                                               comp.layouts[p])
+    return words
+
+
 def _allgather(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared]
                ) -> list[ExchangeResult]:
     """Each replica sends its own top-k blocks; updates are the sum of everybody's.
 
     Variables sent whole are summed densely instead (no ids).  The non-finite flag rides in
     the id buffer and covers every variable; with no compressed variable there is no id
-    buffer and the summed whole buffer carries it.
+    buffer and the summed whole buffer carries it.  With ``comp.quantize`` the values ride
+    in the id buffer too, encoded as int32 words (one gather).
     """
     whole = _sum_whole(comm, comp, prepared)
     sparse = [p for p, w in enumerate(comp.whole) if not w]
+    quantised = comp.quantize != "none"
     ids, residuals, id_bufs, val_bufs = [], [], [], []
     for r, prep in enumerate(prepared):
         with comm.local(r):
@@ -225,26 +244,35 @@ def _allgather(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared]
             if sparse:
                 values, res = _take(comp, prep, ids[r], sparse)
                 bad = tf.reshape(tf.cast(tf.logical_not(prep.finite), tf.int32), (1,))
-                id_bufs.append(codec.pack([*(ids[r][p] for p in sparse), bad]))
-                val_bufs.append(_pack_values(values))
+                words = _quantised(comp, values, res, ids[r], sparse) if quantised else []
+                id_bufs.append(codec.pack([*(ids[r][p] for p in sparse), bad, *words]))
+                if not quantised:
+                    val_bufs.append(_pack_values(values))
                 residuals.append(res)
     if not sparse:
         return _results(comm, comp, prepared, ids, [whole])
     all_ids = comm.gather(id_bufs)
-    all_vals = comm.gather(val_bufs)
-    updates, i_off, v_off = {}, 0, 0
+    all_vals = None if quantised else comm.gather(val_bufs)
+    flag = sum(comp.counts[p] for p in sparse)  # the non-finite flag's column
+    updates, i_off, v_off = {}, 0, flag + 1 if quantised else 0
     with comm.combine():
         for p in sparse:
             lay, k = comp.layouts[p], comp.counts[p]
             g_ids = tf.reshape(all_ids[:, i_off:i_off + k], (-1,))
-            g_vals = tf.reshape(all_vals[:, v_off:v_off + k * lay.block_size],
-                                (-1, lay.block_size))
+            if quantised:
+                n = quantize.num_words(k, lay.block_size, comp.quantize)
+                g_vals = quantize.decode(all_ids[:, v_off:v_off + n], k, lay.block_size,
+                                         comp.quantize)
+            else:
+                n = k * lay.block_size
+                g_vals = tf.reshape(all_vals[:, v_off:v_off + n], (-1, lay.block_size))
             updates[p] = tf.cast(selection.scatter_blocks(g_vals, g_ids, lay),
                                  prepared[0].accs[p].dtype)
-            i_off, v_off = i_off + k, v_off + k * lay.block_size
-        finite = tf.equal(tf.reduce_sum(all_ids[:, -1]), 0)
+            i_off, v_off = i_off + k, v_off + n
+        finite = tf.equal(tf.reduce_sum(all_ids[:, flag]), 0)
     gathered = _Part(updates, tuple(residuals), finite,
-                     codec.buffer_nbytes(id_bufs[0]) + codec.buffer_nbytes(val_bufs[0]))
+                     codec.buffer_nbytes(id_bufs[0]) + sum(codec.buffer_nbytes(b)
+                                                           for b in val_bufs[:1]))
     return _results(comm, comp, prepared, ids, [whole, gathered])
 
 

@@ -25,6 +25,7 @@ from tf_blocksparse.blocks import ELEMENT, BlockLayout
 from tf_blocksparse.options import (
     DEFAULT_DENSE_BELOW,
     METRICS,
+    QUANTIZATIONS,
     CompressionOptions,
     check_choice,
     validate_dense_below,
@@ -92,6 +93,8 @@ class BlockTopK:
         0 compresses every variable.  Default: the one default of the project,
         ``CompressionOptions``' (:data:`~tf_blocksparse.options.DEFAULT_DENSE_BELOW`);
         :func:`compressor_for` passes the options' value.
+      quantize: How the all-gather exchange sends the selected blocks' values (see
+        :mod:`~tf_blocksparse.quantize`); ``"none"`` sends them in their own dtype.
 
     Attributes:
       counts: Per variable, the blocks kept each step.
@@ -101,8 +104,9 @@ class BlockTopK:
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
                  density: float | None = None, metric: str = "l1",
-                 dense_below: int = DEFAULT_DENSE_BELOW):
+                 dense_below: int = DEFAULT_DENSE_BELOW, quantize: str = "none"):
         check_choice(metric, METRICS, "metric")
+        self.quantize = check_choice(quantize, QUANTIZATIONS, "quantize")
         self.k, self.density = validate_k_density(k, density)
         self.dense_below = validate_dense_below(dense_below)
         self.metric = metric
@@ -203,12 +207,13 @@ class ElementTopK(BlockTopK):
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
                  density: float | None = None, metric: str = "l1",
-                 dense_below: int = DEFAULT_DENSE_BELOW):
+                 dense_below: int = DEFAULT_DENSE_BELOW, quantize: str = "none"):
         super().__init__([dataclasses.replace(lay, rule=ELEMENT) for lay in layouts],
-                         k, density, metric, dense_below)
+                         k, density, metric, dense_below, quantize)
 
 
 def compressor_for(options: CompressionOptions, layouts: Sequence[BlockLayout]) -> BlockTopK:
     """The compressor ``options`` ask for (its ``granularity``) over ``layouts``."""
     cls = ElementTopK if options.granularity == "element" else BlockTopK
-    return cls(layouts, options.k, options.density, options.metric, options.dense_below)
+    return cls(layouts, options.k, options.density, options.metric, options.dense_below,
+               options.quantize)

@@ -39,6 +39,9 @@ GRANULARITIES = ("block", "element")
 NONFINITE = ("skip", "apply")
 #: Which sent blocks momentum correction zeroes in the local momentum.
 MASKINGS = ("all", "waited", "none")
+#: How the all-gather exchange sends selected block values: their own dtype, bfloat16, or
+#: 8 / 4-bit integers with a float32 scale per block (:mod:`tf_blocksparse.quantize`).
+QUANTIZATIONS = ("none", "bfloat16", "int8", "int4")
 #: ``momentum_correction="auto"``: move an inner ``SGD``'s momentum before the exchange.
 AUTO = "auto"
 #: The one default ``dense_below`` (of :class:`CompressionOptions`, hence of every shell, and
@@ -191,6 +194,11 @@ class CompressionOptions:
         residual); ``None`` or 0 compresses every variable.
       block_rules: ``{path regex: rule name}`` overriding the block-rule table (first match
         wins); stored as ordered ``(pattern, rule)`` pairs.
+      quantize: How each replica's selected block values travel (``exchange="allgather"``
+        only): ``"none"`` (default, their own dtype), ``"bfloat16"``, or ``"int8"`` /
+        ``"int4"`` with a float32 scale per block (:mod:`~tf_blocksparse.quantize`).  The
+        quantisation error stays in the residual, so nothing is lost.  Variables sent whole
+        are summed unquantised.
       dense_steps: The first ``dense_steps`` optimizer steps (its ``iterations``) send the
         dense all-reduce whatever ``exchange`` says, as PowerSGD's ``start_powerSGD_iter``:
         the early, fast-changing gradients are not delayed by error feedback.  Then the
@@ -210,6 +218,7 @@ class CompressionOptions:
     dense_below: int = DEFAULT_DENSE_BELOW
     block_rules: tuple[tuple[str, Any], ...] = ()
     dense_steps: int = 0
+    quantize: str = "none"
 
     def __post_init__(self) -> None:
         k, density = validate_k_density(self.k, self.density)
@@ -221,6 +230,14 @@ class CompressionOptions:
         object.__setattr__(self, "dense_below", validate_dense_below(self.dense_below))
         object.__setattr__(self, "block_rules", validate_block_rules(self.block_rules))
         object.__setattr__(self, "dense_steps", validate_dense_steps(self.dense_steps))
+        check_choice(self.quantize, QUANTIZATIONS, "quantize")
+        if self.quantize != "none" and self.exchange != "allgather":
+            raise ValueError(f"`quantize={self.quantize!r}` needs exchange='allgather' (the "
+                             f"other modes sum values in the collective), got exchange="
+                             f"{self.get_config()['exchange']!r}")
+        if self.quantize in ("int8", "int4") and self.granularity == "element":
+            raise ValueError("`quantize` with a scale per block needs granularity='block' (a "
+                             "scale per element costs more than the value; use 'bfloat16')")
 
     @property
     def sparse(self) -> bool:
@@ -261,7 +278,8 @@ class CompressionOptions:
         return {"k": self.k, "density": self.density,
                 "metric": self.metric, "exchange": exchange,
                 "granularity": self.granularity, "dense_below": self.dense_below,
-                "block_rules": self.rules, "dense_steps": self.dense_steps}
+                "block_rules": self.rules, "dense_steps": self.dense_steps} | (
+                    {"quantize": self.quantize} if self.quantize != "none" else {})
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> CompressionOptions:

@@ -1,0 +1,137 @@
+"""Quantised block values (``quantize=``): NumPy references of the codes, properties of the
+round trip, and the all-gather exchange on 2 real replicas (nothing lost: the quantisation
+error stays in the residuals; bytes counted from the real buffers)."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import tf_blocksparse as tfbs
+from tf_blocksparse import quantize
+
+
+def _bfloat16_np(v: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even to bfloat16, back in float32 (finite values)."""
+    u = v.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def _int_np(v: np.ndarray, levels: int) -> np.ndarray:
+    top = np.max(np.abs(v), axis=1)
+    scale = np.where(top > 0, top / np.float32(levels), np.float32(1)).astype(np.float32)
+    q = np.clip(np.round(v / scale[:, None]), -levels, levels).astype(np.float32)
+    return q * scale[:, None]
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])
+def test_codes_match_a_numpy_reference_and_decode_exactly(mode):
+    rng = np.random.default_rng(1)
+    v = (rng.standard_normal((5, 7)) * np.array([1e-3, 1, 10, 0, 1e4])[:, None]).astype(
+        np.float32)
+    words, sent = quantize.encode(tf.constant(v), mode)
+    want = _bfloat16_np(v) if mode == "bfloat16" else _int_np(v, {"int8": 127, "int4": 7}[mode])
+    np.testing.assert_array_equal(sent.numpy(), want)
+    assert words.dtype == tf.int32 and words.shape == (quantize.num_words(5, 7, mode),)
+    two = tf.stack([words, words])  # two replicas sent the same
+    got = quantize.decode(two, 5, 7, mode).numpy()
+    np.testing.assert_array_equal(got, np.concatenate([want, want]))
+    assert np.all(want[3] == 0)  # an all-zero block stays zero
+
+
+@pytest.mark.parametrize("mode,bits", [("bfloat16", 16), ("int8", 8), ("int4", 4)])
+def test_bytes_per_block(mode, bits):
+    scales = 0 if mode == "bfloat16" else 4 * 3
+    assert quantize.value_nbytes(3, 10, mode, 4) == scales + 4 * math.ceil(30 * bits / 32)
+    assert quantize.value_nbytes(3, 10, "none", 4) == 120
+
+
+@settings(max_examples=40, deadline=None)
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 9)),
+                  elements=st.floats(-1e6, 1e6, width=32)),
+       st.sampled_from(["int8", "int4"]))
+def test_integer_codes_err_by_at_most_half_a_step(v, mode):
+    levels = {"int8": 127, "int4": 7}[mode]
+    words, sent = quantize.encode(tf.constant(v), mode)
+    scale = np.max(np.abs(v), axis=1, keepdims=True) / levels
+    assert np.all(np.abs(sent.numpy() - v) <= scale / 2 * (1 + 1e-5) + 1e-30)
+    np.testing.assert_array_equal(
+        quantize.decode(words[None], v.shape[0], v.shape[1], mode).numpy(), sent.numpy())
+
+
+def _step(strategy, quantize_mode, sync_every=None):
+    with strategy.scope():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32),
+                                  keras.layers.Dense(4)])
+        extra = {} if sync_every is None else {"sync_every": sync_every,
+                                               "outer": keras.optimizers.SGD(1.0)}
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(1.0), density=0.25,
+                                        dense_below=0, exchange="allgather",
+                                        quantize=quantize_mode, **extra)
+        opt.build(model.trainable_variables)
+    variables = model.trainable_variables
+    w0 = [v.numpy() for v in variables]
+    rng = np.random.default_rng(5)
+    grads = [[rng.standard_normal(v.shape).astype("float32") for v in variables]
+             for _ in range(2)]
+
+    @tf.function
+    def step(g):
+        strategy.run(lambda g: opt.apply(list(g), variables), args=(g,))
+
+    step(strategy.experimental_distribute_values_from_function(
+        lambda ctx: tuple(tf.constant(g) for g in grads[ctx.replica_id_in_sync_group])))
+    return w0, [v.numpy() for v in variables], opt, grads
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "int8", "int4"])
+def test_the_quantisation_error_stays_in_the_residuals(mirrored2, mode):
+    """One step from zero residuals with SGD(1.0): the weights moved by what was sent, and
+    what was sent plus every replica's residual is the replicas' whole gradient."""
+    w0, w1, opt, grads = _step(mirrored2, mode)
+    kept = [r.numpy() for r in opt.residuals]  # the sum over replicas
+    for a, b, k, g0, g1 in zip(w0, w1, kept, *grads):
+        np.testing.assert_allclose(a - b + k, g0 + g1, rtol=1e-5, atol=1e-5)
+    _, w_plain, plain, _ = _step(mirrored2, "none")
+    moved = sum(np.sum(np.abs(a - b)) for a, b in zip(w0, w1))
+    assert moved > 0 and not all(np.array_equal(a, b) for a, b in zip(w1, w_plain))
+    # bytes from the real buffer: ids + flag + (scales +) codes, all int32 words
+    got, want = (o.block_sparse_metrics()["payload_bytes"] for o in (opt, plain))
+    counts = [opt._compressor([i]).counts[0] for i in range(4)]
+    sizes = [lay.block_size for lay in opt.layouts]
+    assert got == 4 * (sum(counts) + 1) + sum(quantize.value_nbytes(k, bs, mode, 4)
+                                              for k, bs in zip(counts, sizes))
+    assert want == 4 * (sum(counts) + 1) + sum(4 * k * bs for k, bs in zip(counts, sizes))
+    assert got < want
+
+
+def test_quantised_local_steps(mirrored2):
+    w0, w1, opt, grads = _step(mirrored2, "int8", sync_every=1)
+    kept = [r.numpy() for r in opt.residuals]
+    for a, b, k, g0, g1 in zip(w0, w1, kept, *grads):  # inner and outer SGD(1.0)
+        np.testing.assert_allclose(a - b + k, g0 + g1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"quantize": "int3", "exchange": "allgather"}, "quantize"),
+    ({"quantize": "int8", "exchange": "shared"}, "allgather"),
+    ({"quantize": "int8"}, "allgather"),  # the default exchange is "auto"
+    ({"quantize": "int8", "exchange": "allgather", "granularity": "element",
+      "density": 0.1}, "granularity"),
+])
+def test_bad_quantize_options_are_named(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        tfbs.CompressionOptions(**kwargs)
+
+
+def test_config_round_trip_keeps_quantize_and_leaves_old_configs_alone():
+    opts = tfbs.CompressionOptions(exchange="allgather", quantize="int4")
+    assert tfbs.CompressionOptions.from_config(opts.get_config()) == opts
+    assert "quantize" not in tfbs.CompressionOptions(exchange="allgather").get_config()
