@@ -26,7 +26,8 @@ from tf_blocksparse.options import (
 DENSE_BELOW = DEFAULT_DENSE_BELOW
 #: Every keyword argument ``BlockSparseOptimizer`` takes (its own and the options').
 KEYWORDS = ("compression", "momentum_correction", "momentum_masking", "clipping", "nonfinite",
-            "fusion_buffer_bytes", "gradient_accumulation_steps", "model", "name",
+            "fusion_buffer_bytes", "gradient_accumulation_steps", "sync_every", "outer",
+            "model", "name",
             *OPTION_NAMES)
 _UNSET = object()
 
