@@ -267,3 +267,59 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_check_can_fail():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+#: The package's layers, lowest first: a module may import its own layer and lower ones.
+LAYERS = (
+    ("planning",),                               # TensorFlow-free planners and cost models
+    ("core", "compat", "kernels"),               # the compression core over collectives
+    ("distribute",),                             # strategy adapters and custom runtimes
+    ("auto", "keras"),                           # the Keras integration
+    ("launcher",),                               # the process launcher (standard library)
+)
+#: Upward imports that exist today, each with its reason: the two custom trainers reuse the
+#: Keras integration's model helpers (splitting a model, profiling its layers).  Nothing may
+#: be added here without a line in docs/architecture.md.
+UPWARD_EXCEPTIONS = {
+    ("distribute.hybrid_trainer", "keras.hybrid_split"),
+    ("distribute.pipeline_trainer", "keras.profiler"),
+}
+
+
+def _group(module: str) -> str | None:
+    """The layer group of a ``tf_blocksparse`` module (``None``: the package's ``__init__``,
+    which re-exports every layer)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    if parts[1] in ("planning", "distribute", "auto", "keras", "launcher", "kernels"):
+        return parts[1]
+    return "compat" if parts[1] == "_compat" else "core"
+
+
+def _layer(group: str) -> int:
+    return next(i for i, groups in enumerate(LAYERS) if group in groups)
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    out = set()
+    for a, targets in graph.items():
+        for b in targets:
+            ga, gb = _group(a), _group(b)
+            if ga is not None and gb is not None and _layer(gb) > _layer(ga):
+                out.add((a.split(".", 1)[1], b.split(".", 1)[1]))
+    return out
+
+
+def test_imports_follow_the_layer_order():
+    """No module imports a higher layer (docs/architecture.md), apart from the listed
+    exceptions, which must all still exist (a resolved one is taken off the list)."""
+    upward = _upward_imports(_import_graph())
+    assert upward - UPWARD_EXCEPTIONS == set(), sorted(upward - UPWARD_EXCEPTIONS)
+    assert UPWARD_EXCEPTIONS <= upward, sorted(UPWARD_EXCEPTIONS - upward)
+
+
+def test_the_layer_check_can_fail():
+    graph = {"tf_blocksparse.exchange": {"tf_blocksparse.keras.optimizer"},
+             "tf_blocksparse.keras.optimizer": {"tf_blocksparse.exchange"}}
+    assert _upward_imports(graph) == {("exchange", "keras.optimizer")}
