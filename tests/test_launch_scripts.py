@@ -21,7 +21,8 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
 
 #: Script -> flags its ``--help`` must list.
 OWN_FLAGS = {
-    "train": ["model", "compression", "k", "density", "num_devices", "block_metrics", "epochs"],
+    "train": ["model", "compression", "k", "density", "num_devices", "block_metrics", "epochs",
+              "sync_every", "outer_lr", "quantize"],
     "demo": ["epochs", "methods", "num_workers", "out"],
     "bench_convergence": ["models", "seeds", "methods", "resume"],
     "bench_time_to_accuracy": ["bandwidths_mbit", "target_drop", "methods"],
@@ -38,6 +39,7 @@ OWN_FLAGS = {
     "train_pipeline": ["workers", "topology", "model"],
     "local_cluster": ["num_workers", "grace_s", "bandwidth_mbit", "log_dir"],
     "netem": ["num_workers", "bandwidth_mbit", "seconds"],
+    "local_steps_report": ["convergence", "wall_clock", "out"],
 }
 
 #: (script, arguments, the flag the error must name).

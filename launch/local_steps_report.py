@@ -1,0 +1,103 @@
+"""``benchmarks/results/local_steps.json``: local steps against dense and the per-step exchange.
+
+Reads the converged accuracy runs of ``launch.bench_convergence`` (``--convergence``: every
+method's curve on the same budget, exact evaluation) and the composed wall-clock times of
+``launch.bench_wall_clock`` (``--wall_clock``, made with ``--target_drop=0.005``: dense's
+converged accuracy minus 0.5 points), and writes one summary row per model x link rate x
+method with ``bytes_per_step``, ``dense_bytes_per_step``, ``final_accuracy`` and
+``wall_speedup_vs_dense`` as {mean, std, min, max, n}, and the run records behind them
+(flags, commit, ``test_correct`` / ``test_examples``).  Nothing is trained here.
+
+    python -m launch.bench_convergence ... --methods=dense,block_default,local_dense,local_block
+    python -m launch.bench_wall_clock --target_drop=0.005 --out=runs/local_wall \\
+        --methods=dense,block_default,local_dense,local_block --timing_steps=64 ...
+    python -m launch.local_steps_report --wall_clock=runs/local_wall/time_to_accuracy.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import flags
+
+from launch import experiments, script
+
+FLAGS = flags.FLAGS
+#: The methods the report compares, in its order.
+REPORT_METHODS = ("dense", "block_default", "local_dense", "local_block")
+
+
+def define_flags() -> None:
+    """The script's flags."""
+    flags.DEFINE_string("convergence", "benchmarks/results/convergence.json",
+                        "launch.bench_convergence's results.")
+    flags.DEFINE_string("wall_clock", "runs/local_wall/time_to_accuracy.json",
+                        "launch.bench_wall_clock's results (--target_drop=0.005).")
+    flags.DEFINE_string("out", "benchmarks/results/local_steps.json", "Output file.")
+
+
+def summary_rows(convergence: dict, wall: dict | None) -> list[dict]:
+    """One row per model x rate x method of :data:`REPORT_METHODS` (rate ``None``: no
+    wall-clock timing of that model)."""
+    runs = [r for r in convergence["runs"] if r["method"] in REPORT_METHODS]
+    wall_rows = {(w["model"], w["bandwidth_mbit"], w["method"]): w
+                 for w in (wall or {}).get("summary", [])}
+    rates_of: dict[str, list] = {}
+    for model, rate, _ in wall_rows:
+        rates_of.setdefault(model, [])
+        if rate not in rates_of[model]:
+            rates_of[model].append(rate)
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in runs):
+        for rate in rates_of.get(model) or [None]:
+            for method in REPORT_METHODS:
+                recs = sorted((r for r in runs if (r["model"], r["method"]) == (model, method)),
+                              key=lambda r: r["flags"]["seed"])
+                if not recs:
+                    continue
+                timed = wall_rows.get((model, rate, method), {})
+                rows.append({
+                    "model": model, "bandwidth_mbit": rate, "method": method,
+                    "seeds": [r["flags"]["seed"] for r in recs],
+                    "bytes_per_step": experiments.spread(
+                        [r["payload_bytes_per_step"] for r in recs], 1),
+                    "dense_bytes_per_step": experiments.spread(
+                        [r["dense_bytes_per_step"] for r in recs], 1),
+                    "byte_reduction_vs_dense": round(
+                        recs[0]["dense_bytes_per_step"] / recs[0]["payload_bytes_per_step"], 1),
+                    "final_accuracy": experiments.spread([r["test_accuracy"] for r in recs]),
+                    "test_correct": [r["test_correct"] for r in recs],
+                    "test_examples": [r["test_examples"] for r in recs],
+                    "wall_speedup_vs_dense": timed.get("wall_speedup_vs_dense"),
+                    "wall_s": timed.get("wall_s"),
+                    "epochs_to_target": timed.get("epochs_to_target"),
+                    "reached": timed.get("reached"),
+                })
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise ValueError(f"unexpected arguments: {argv[1:]}")
+    with open(FLAGS.convergence) as fh:
+        convergence = json.load(fh)
+    wall = None
+    if os.path.exists(FLAGS.wall_clock):
+        with open(FLAGS.wall_clock) as fh:
+            wall = json.load(fh)
+    doc = {
+        "budget": {"convergence": convergence["budget"],
+                   "wall_clock": None if wall is None else wall["budget"],
+                   "methods": {m: experiments.METHODS[m] for m in REPORT_METHODS}},
+        "summary": summary_rows(convergence, wall),
+        "runs": [r for r in convergence["runs"] if r["method"] in REPORT_METHODS],
+    }
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(json.dumps(doc["summary"]))
+
+
+if __name__ == "__main__":
+    script.run(main, define_flags)

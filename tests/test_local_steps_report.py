@@ -1,0 +1,33 @@
+"""launch/local_steps_report.py: the summary rows of local_steps.json from given records."""
+
+from launch import local_steps_report
+
+
+def _run(method, seed, acc, sent, dense=1000):
+    return {"model": "m", "method": method, "test_accuracy": acc, "test_correct": int(acc * 100),
+            "test_examples": 100, "payload_bytes_per_step": sent, "dense_bytes_per_step": dense,
+            "flags": {"seed": seed}, "provenance": {"commit": "c"}}
+
+
+def test_rows_join_accuracy_bytes_and_wall_clock_per_rate():
+    convergence = {"budget": {}, "runs": [
+        _run("dense", 0, 0.9, 1000), _run("dense", 1, 0.92, 1000),
+        _run("local_block", 1, 0.91, 2), _run("local_block", 0, 0.89, 2),
+        _run("topk_1pct", 0, 0.5, 10)]}
+    speed = {"mean": 12.0, "std": 1.0, "min": 11.0, "max": 13.0, "n": 2}
+    wall = {"summary": [
+        {"model": "m", "bandwidth_mbit": 100.0, "method": "local_block",
+         "wall_speedup_vs_dense": speed, "wall_s": None, "epochs_to_target": None,
+         "reached": 2},
+        {"model": "m", "bandwidth_mbit": 10.0, "method": "dense",
+         "wall_speedup_vs_dense": None}]}
+    rows = local_steps_report.summary_rows(convergence, wall)
+    assert [(r["bandwidth_mbit"], r["method"]) for r in rows] == [
+        (100.0, "dense"), (100.0, "local_block"), (10.0, "dense"), (10.0, "local_block")]
+    block = rows[1]
+    assert block["seeds"] == [0, 1] and block["test_correct"] == [89, 91]
+    assert block["final_accuracy"]["mean"] == 0.9 and block["final_accuracy"]["n"] == 2
+    assert block["byte_reduction_vs_dense"] == 500.0
+    assert block["wall_speedup_vs_dense"] == speed and rows[3]["wall_speedup_vs_dense"] is None
+    untimed = local_steps_report.summary_rows(convergence, None)
+    assert [r["bandwidth_mbit"] for r in untimed] == [None, None]
