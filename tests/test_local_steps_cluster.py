@@ -6,27 +6,17 @@ its own inner momentum back)."""
 import json
 import os
 import sys
-import zipfile
 
-import h5py
 import numpy as np
 
 from launch.cluster.local import run_local_cluster
+from tests.saved_files import final_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
 ARGS = [sys.executable, "-m", "launch.train", "--strategy=multiworker", "--dataset=digits",
         "--model=cnn_small", "--batch_size=64", "--epochs=2", "--deterministic",
         "--compression=block", "--density=0.1", "--exchange=allgather", "--sync_every=4"]
-
-
-def _final_weights(model_dir) -> dict[str, np.ndarray]:
-    out = {}
-    with zipfile.ZipFile(model_dir / "model.keras") as z, z.open("model.weights.h5") as fh:
-        with h5py.File(fh, "r") as h5:
-            h5.visititems(lambda name, obj: out.__setitem__(name, np.asarray(obj))
-                          if isinstance(obj, h5py.Dataset) else None)
-    return out
 
 
 def test_local_steps_train_across_workers_and_resume_exactly(tmp_path):
@@ -61,7 +51,7 @@ def test_local_steps_train_across_workers_and_resume_exactly(tmp_path):
     resumed = json.loads((broken / "metrics.json").read_text())
     assert resumed["initial_epoch"] == 1
     assert resumed["test_correct"] == m["test_correct"]
-    a, b = _final_weights(whole), _final_weights(broken)
+    a, b = final_weights(whole), final_weights(broken)
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -11,6 +11,7 @@ import pytest
 from absl import flags
 
 from launch.cluster.local import run_local_cluster
+from tests.saved_files import final_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = [sys.executable, "-m", "launch.train", "--strategy=multiworker",
@@ -256,18 +257,6 @@ def test_one_failing_worker_fails_the_run_quickly(tmp_path, capsys):
     assert not (tmp_path / "metrics.json").exists()  # the chief was stopped, not finished
 
 
-def _final_weights(model_dir) -> dict[str, np.ndarray]:
-    """Every array of the run's final ``model.keras`` (weights and optimizer state)."""
-    import zipfile
-
-    out = {}
-    with zipfile.ZipFile(model_dir / "model.keras") as z, z.open("model.weights.h5") as fh:
-        with h5py.File(fh, "r") as h5:
-            h5.visititems(lambda name, obj: out.__setitem__(name, np.asarray(obj))
-                          if isinstance(obj, h5py.Dataset) else None)
-    return out
-
-
 def test_every_step_trains_the_global_batch(capfd):
     """Under MultiWorkerMirroredStrategy a step trains on --batch_size examples in all (each
     worker its share of its own shard), so an epoch is one pass over the training data."""
@@ -321,7 +310,7 @@ def test_kill_and_resume_is_exact_and_backups_read_no_replica_state(tmp_path, wh
     for key in ("test_correct", "test_loss", "test_examples"):
         assert m[key] == ref[key], key
     assert m["history"]["val_loss"] == ref["history"]["val_loss"][1:]
-    a, b = _final_weights(whole), _final_weights(broken)
+    a, b = final_weights(whole), final_weights(broken)
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
