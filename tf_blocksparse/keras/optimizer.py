@@ -56,6 +56,12 @@ from tf_blocksparse.keras.optimizer_args import (
     discover_owners,
     split_arguments,
 )
+from tf_blocksparse.keras.transforms import (
+    ClippingTransform,
+    MomentumTransform,
+    read_state,
+    state_commits,
+)
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
 from tf_blocksparse.planning.exchange_cost import ExchangeDecision
 from tf_blocksparse.planning.fusion import FusionPlan
@@ -167,6 +173,8 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         self.fusion_buffer_bytes = fusion_buffer_bytes
         self.accumulation_steps = every
         self.clipping = rules
+        self._clip = ClippingTransform(rules, lambda: self._unit_axes)
+        self._momentum = MomentumTransform(momentum)
         self._model = model
         _compat.disable_gradient_all_reduce(inner)
         # exchange="auto" or a dense phase: the modes, where a group's momentum lives, the
@@ -213,14 +221,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         if self.exchange != "dense":
             self._residuals = [self._per_replica_variable(v, v.shape, v.dtype, "residual_")
                                for v in var_list]
-        self._velocities = []
-        if self.momentum_policy is not None and self.momentum_policy.active:
-            self._velocities = [self._per_replica_variable(v, v.shape, v.dtype, "velocity_")
-                                for v in var_list]
-        self._clip_states = [[self._per_replica_variable(v, (rule.state_size,), "float32",
-                                                         f"clip{j}_{type(rule).__name__}_")
-                              for j, rule in enumerate(self.clipping) if rule.state_size]
-                             for v in var_list]
+        self._velocities = [u for us in self._momentum.init(var_list, self._per_replica_variable)
+                            for u in us]
+        self._clip_states = self._clip.init(var_list, self._per_replica_variable)
         self._stats = keras.Variable(
             initializer=keras.initializers.Zeros(), shape=(step.STATS_SIZE,), dtype="float32",
             trainable=False, synchronization="on_read", aggregation="mean",
@@ -506,57 +509,56 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         ctx = tf.distribute.get_replica_context()
         timed = ctx.num_replicas_in_sync > 1  # one replica: no exchange (and maybe XLA)
         start = graph_clock(grads) if timed else None
-        commits: list[tuple[Any, tf.Tensor]] = []
-        if self.clipping:
-            clip_vars = [self._clip_states[i] for i in idx]
-            grads, new = clipping_lib.apply_rules(
-                self.clipping, grads, [tf.convert_to_tensor(v) for v in tvs],
-                [[tf.convert_to_tensor(s.value) for s in vs] for vs in clip_vars],
-                ctx.num_replicas_in_sync, [self._unit_axes[i] for i in idx])
-            commits += [(s, n) for vs, ns in zip(clip_vars, new) for s, n in zip(vs, ns)]
-        velocities = [self._velocities[i] for i in idx] if self._velocities else []
-        # positions with per-replica state (all but dense groups flushed at their switch)
         auto = self._auto
-        live = [p for p, i in enumerate(idx) if not (auto and auto.stateless(i))]
-        if velocities and live:  # DGC momentum correction: u = m u + g is what gets exchanged
-            grads = list(grads)
-            us = self.momentum_policy.accumulate(
-                [tf.convert_to_tensor(velocities[p].value) for p in live],
-                [grads[p] for p in live])
-            for p, u in zip(live, us):
-                grads[p] = u
-        groups = self._fusion_groups(grads, idx)
+        # positions with per-replica state (all but dense groups flushed at their switch)
+        live = [not (auto and auto.stateless(i)) for i in idx]
+        clip_vars = [self._clip_states[i] for i in idx]
+        velocities = [[self._velocities[i]] if self._velocities else [] for i in idx]
+        # 1. clipping, 2. momentum correction: u = m u + g is what gets exchanged
+        grads, clip_new = self._clip.update(grads, read_state(clip_vars, [True] * len(idx)),
+                                            tvs, idx)
+        grads, velocity_new = self._momentum.update(grads, read_state(velocities, live),
+                                                    tvs, idx)
+        # 3. error feedback and the exchange, per bucket
+        residuals = [self._residuals[i] for i in idx] if self.exchange != "dense" else []
         state = None
-        if self.exchange != "dense" and live:
-            residuals = [self._residuals[i] for i in idx]
-            live_set = set(live)
-            state = [tf.convert_to_tensor(r.value) if p in live_set else None
-                     for p, r in enumerate(residuals)]
-        modes: Any = self.exchange
-        if auto:  # adjacent groups of one mode share one set of collectives
-            groups, modes = auto.exchange_groups(groups, idx)
-        result = step.run_grouped_exchange(
-            modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
-            grads, state, groups, self.metric)
+        if residuals and any(live):
+            state = [tf.convert_to_tensor(r.value) if p else None
+                     for p, r in zip(live, residuals)]
+        result = self._exchange_buckets(grads, idx, state)
+        # 4. factor masking: what a replica sent leaves its velocity too (dense groups'
+        # momentum is the inner SGD's there)
+        velocity_new = self._momentum.mask(
+            velocity_new, lambda: self._compressor(idx).layouts, result.sent_ids, state,
+            [bool(auto and auto.inner_momentum and auto.in_dense_group(i)) for i in idx])
+        # 5. the state is committed only if the step is finite everywhere
+        commits = state_commits(clip_vars, clip_new)
         if state is not None and result.residuals is not None:
             commits += [(r, new) for r, new in zip(residuals, result.residuals)
                         if new is not None]
-        if velocities and live:  # factor masking: what a replica sent leaves its velocity too
-            sent = None if result.sent_ids is None else [result.sent_ids[p] for p in live]
-            kept = self.momentum_policy.mask(
-                [grads[p] for p in live], self._compressor([idx[p] for p in live]).layouts,
-                sent, None if state is None else [state[p] for p in live])
-            if auto and auto.inner_momentum:  # dense groups' momentum is the inner's
-                kept = [tf.zeros_like(u) if auto.in_dense_group(idx[p]) else u
-                        for u, p in zip(kept, live)]
-            commits += [(velocities[p], u) for p, u in zip(live, kept)]
+        commits += state_commits(velocities, velocity_new)
         if commits:
             step.when_finite(self.nonfinite, result.finite,
                              lambda: tf.group([v.value.assign(s) for v, s in commits]))
+        # 6. the inner (or outer) optimizer applies the exchanged update
         step.apply_inner(optimizer or self.inner_optimizer, self.nonfinite, result.updates,
                          tvs, result.finite)
         seconds = graph_clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
         step.record_stats(self._stats, result, seconds, counted)
+
+    def _exchange_buckets(self, grads: Sequence[tf.Tensor], idx: Sequence[int],
+                          state: Sequence[tf.Tensor | None] | None) -> Any:
+        """Error feedback and the exchange of ``grads`` (of variables ``idx``, residuals
+        ``state``) per fusion group; with a changing exchange, adjacent groups of one mode
+        share one set of collectives."""
+        groups = self._fusion_groups(grads, idx)
+        modes: Any = self.exchange
+        if self._auto:
+            groups, modes = self._auto.exchange_groups(groups, idx)
+        return step.run_grouped_exchange(
+            modes, ctx=tf.distribute.get_replica_context(),
+            make_comp=lambda group: self._compressor([idx[i] for i in group]),
+            grads=grads, state=state, groups=groups, metric=self.metric)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
