@@ -42,7 +42,13 @@ from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.distribute.forward_order import backward_ranks
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import dense_phase, local_steps, loss_scale, replica_state
+from tf_blocksparse.keras import (
+    dense_phase,
+    inner_optimizer,
+    local_steps,
+    loss_scale,
+    replica_state,
+)
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.accumulation import GradientAccumulation
 from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
@@ -84,6 +90,17 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     one block per variable and replica per step (``k=1``) when sparse, variables under 1024
     elements sent whole, the SGD's momentum moved before a sparse exchange.  ``exchange=
     "allgather"`` always compresses.
+
+    The inner (and outer) optimizer is touched in these ways only, all through
+    :mod:`~tf_blocksparse.keras.inner_optimizer`: its gradient all-reduce is disabled
+    (:func:`~tf_blocksparse.keras.inner_optimizer.take_over`); with
+    ``momentum_correction="auto"`` an inner SGD's momentum is moved to the policy, its own
+    set to 0 (:func:`~tf_blocksparse.keras.inner_optimizer.move_momentum`); with a changing
+    exchange (``exchange="auto"``, ``dense_steps``) and local momentum over a plain SGD, the
+    SGD applies the factor to the dense groups' variables only
+    (:func:`~tf_blocksparse.keras.inner_optimizer.momentum_in_dense_groups`, a patch of its
+    ``update_step``); and ``get_config`` then writes its momentum as 0
+    (:func:`~tf_blocksparse.keras.inner_optimizer.inner_config`).
 
     Args:
       inner: The Keras optimizer that applies the exchanged update (e.g. ``SGD(0.1,
@@ -176,7 +193,6 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         self._clip = ClippingTransform(rules, lambda: self._unit_axes)
         self._momentum = MomentumTransform(momentum)
         self._model = model
-        _compat.disable_gradient_all_reduce(inner)
         # exchange="auto" or a dense phase: the modes, where a group's momentum lives, the
         # switch's moves
         changing = compression.auto or (compression.dense_steps and compression.sparse)
@@ -191,8 +207,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         self._window: keras.Variable | None = None
         self.sync_every = sync_every
         self.outer_optimizer = outer
-        if outer is not None:
-            _compat.disable_gradient_all_reduce(outer)
+        inner_optimizer.take_over(inner, outer)
         self._anchors: list[keras.Variable] = []
         # components: local steps or accumulation (each owns its step), Keras saving
         self._local = None if sync_every is None else local_steps.LocalSteps(
@@ -606,7 +621,8 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         policy = self.momentum_policy
         return {
             "name": self.name,
-            "inner": self._inner_config(),
+            "inner": inner_optimizer.inner_config(
+                self.inner_optimizer, self._auto is not None and self._auto.inner_momentum),
             "compression": self.compression.get_config(),
             "momentum_correction": None if policy is None else policy.get_config(),
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
@@ -616,12 +632,6 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             {"sync_every": self.sync_every,
              "outer": keras.saving.serialize_keras_object(self.outer_optimizer)}
             if self.sync_every is not None else {})
-
-    def _inner_config(self) -> dict[str, Any]:
-        config = keras.saving.serialize_keras_object(self.inner_optimizer)
-        if self._auto is not None and self._auto.inner_momentum:  # the policy's factor
-            config["config"]["momentum"] = 0.0
-        return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None
