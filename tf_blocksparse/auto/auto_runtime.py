@@ -26,10 +26,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import _compat
 from tf_blocksparse.auto import mode_switch
 from tf_blocksparse.auto.auto_exchange import ExchangeChooser, can_measure
 from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.keras import inner_optimizer
 from tf_blocksparse.planning.exchange_cost import ExchangeDecision, merge_runs
 
 __all__ = ["AutoExchangeRuntime"]
@@ -70,8 +70,8 @@ class AutoExchangeRuntime:
         self.chooser: ExchangeChooser | None = None
         self._variables: list[Any] = []
         if self.inner_momentum:
-            inner.momentum = momentum.momentum
-            _compat.momentum_only_where(inner, self.in_dense_group)
+            inner_optimizer.momentum_in_dense_groups(inner, momentum.momentum,
+                                                     self.in_dense_group)
 
     def build(self, strategy: Any, variables: Sequence[Any],
               groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],

@@ -38,15 +38,17 @@ restart from the anchor, as a skipped step of the per-step exchange.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import _compat
+from tf_blocksparse import _compat, codec
+from tf_blocksparse.keras import optimizer_step as step
 
-__all__ = ["LocalStepsCallback", "check_local_steps", "default_outer", "local_gradients"]
+__all__ = ["LocalSteps", "LocalStepsCallback", "check_local_steps", "default_outer",
+           "local_gradients"]
 
 
 def default_outer() -> keras.optimizers.Optimizer:
@@ -148,3 +150,122 @@ class LocalStepsCallback(keras.callbacks.Callback):
         opt = self._opt()
         if opt is not None and opt.built:
             opt.synchronize()
+
+
+class LocalSteps:
+    """The local steps of one ``BlockSparseOptimizer`` with ``sync_every`` (a component the
+    optimizer owns): the anchors, the window of steps since the last exchange and the outer
+    optimizer's step.
+
+    Args:
+      sync_every: Local steps per exchange.
+      outer: The optimizer of the exchanged progress (its all-reduce disabled).
+      inner: The optimizer of each local step.
+      exchange: The optimizer's exchange, ``exchange(grads, variables, idx, optimizer=,
+        counted=)`` (its clipping, error feedback and statistics).
+      stats: Returns the optimizer's per-replica statistics row.
+    """
+
+    def __init__(self, sync_every: int, outer: keras.optimizers.Optimizer,
+                 inner: keras.optimizers.Optimizer, exchange: Callable[..., None],
+                 stats: Callable[[], keras.Variable]):
+        self.sync_every = sync_every
+        self.outer = outer
+        self.inner = inner
+        self._exchange = exchange
+        self._stats = stats
+        self.anchors: list[keras.Variable] = []
+        self.outer_norm: keras.Variable | None = None
+        self.window: keras.Variable | None = None
+        self._strategy: Any = None
+        self._variables: list[Any] = []
+        self._sync_fn: Any = None
+
+    def build(self, var_list: Sequence[Any], add_variable_from_reference: Callable[..., Any]
+              ) -> tuple[list[keras.Variable], keras.Variable]:
+        """Creates the anchors (optimizer variables, set to ``var_list``), builds the outer
+        optimizer over them and creates the per-replica ``outer_update_norm``; returns the
+        anchors and that norm."""
+        self.anchors = [add_variable_from_reference(v, "anchor") for v in var_list]
+        for anchor, v in zip(self.anchors, var_list):
+            anchor.assign(v)
+        self.outer.build(self.anchors)
+        self.outer_norm = keras.Variable(
+            initializer=keras.initializers.Zeros(), shape=(), dtype="float32",
+            trainable=False, synchronization="on_read", aggregation="mean",
+            name="outer_update_norm")
+        return self.anchors, self.outer_norm
+
+    def bind(self, window: keras.Variable, strategy: Any, variables: Sequence[Any]) -> None:
+        """Takes the optimizer's window counter, strategy and trainable variables (once
+        built)."""
+        self.window, self._strategy, self._variables = window, strategy, list(variables)
+
+    def local_variables(self) -> list[keras.Variable]:
+        """The mirrored variables whose replicas' copies differ inside a window: the inner
+        optimizer's state (but ``iterations`` and the learning rate) and the weights."""
+        shared = {id(self.inner.iterations), id(self.inner.learning_rate)}
+        return [v for v in self.inner.variables if id(v) not in shared] + self._variables
+
+    def step(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int]
+             ) -> None:
+        """One local step: the inner optimizer applies the replica's own gradient to its
+        own weights (no communication); every ``sync_every``-th step synchronises
+        (:meth:`synchronize_replica`)."""
+        ctx = tf.distribute.get_replica_context()
+        local, finite = local_gradients(grads, ctx.num_replicas_in_sync)
+        self.inner.apply(local, tvs)
+        window = self.window
+        window.assign_add(tf.ones_like(window.value))
+        step.count_skipped(self._stats(), finite)
+
+        def synchronize(_: Any) -> None:
+            self.synchronize_replica(tvs, idx)
+
+        def wait(_: Any) -> None:
+            step.record_micro_step(self._stats(), sum(codec.buffer_nbytes(g) for g in grads))
+
+        step.replica_cond(window.value >= self.sync_every, synchronize, wait, (0,))
+
+    def synchronize_replica(self, tvs: Sequence[Any], idx: Sequence[int],
+                            counted: bool = True) -> None:
+        """The exchange of a window (in replica context): the replica's pseudo-gradient
+        ``(anchor - w) / N`` through the exchange, ``outer`` applied to the anchors, every
+        replica's weights set to them, the window restarted.  ``counted``: the exchange is
+        part of a training step (not :meth:`synchronize`'s)."""
+        ctx = tf.distribute.get_replica_context()
+        anchors = [self.anchors[i] for i in idx]
+        n = ctx.num_replicas_in_sync
+        before = [tf.convert_to_tensor(a) for a in anchors]
+        deltas = [(a - tf.convert_to_tensor(v)) / tf.cast(n, v.dtype)
+                  for a, v in zip(before, tvs)]
+        self._exchange(deltas, anchors, idx, optimizer=self.outer, counted=counted)
+        moves = [tf.cast(tf.convert_to_tensor(a) - b, tf.float32)
+                 for a, b in zip(anchors, before)]
+        self.outer_norm.value.assign(tf.sqrt(tf.add_n([tf.reduce_sum(m * m) for m in moves])))
+        assign_on_each_replica(tvs, [tf.convert_to_tensor(a) for a in anchors])
+        self.window.assign(tf.zeros_like(self.window.value))
+
+    def synchronize(self) -> None:
+        """Exchanges the current window's progress now (eagerly, cross-replica context);
+        nothing when the window is empty."""
+        if int(self.window.numpy()) == 0:
+            return
+        if self._sync_fn is None:
+            strategy, tvs = self._strategy, list(self._variables)
+            idx = list(range(len(tvs)))
+
+            @tf.function
+            def sync() -> None:
+                strategy.run(lambda: self.synchronize_replica(tvs, idx, counted=False))
+
+            self._sync_fn = sync
+        self._sync_fn()
+
+    def restart_window(self) -> None:
+        """Takes the current weights as the anchors when the window is empty (eagerly,
+        cross-replica context)."""
+        if int(self.window.numpy()) != 0:
+            return
+        for anchor, v in zip(self.anchors, self._variables):
+            anchor.assign(v)

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tf_blocksparse import selection
 from tf_blocksparse.blocks import BlockLayout
+from tf_blocksparse.keras import inner_optimizer as inner_lib
 from tf_blocksparse.options import AUTO, MASKINGS, check_choice
 
 __all__ = ["MomentumCorrection", "mask_sent"]
@@ -106,7 +107,7 @@ class MomentumCorrection:
         if not sparse or not isinstance(inner, keras.optimizers.SGD) or inner_m <= 0.0 \
                 or getattr(inner, "nesterov", False) or not inner_m < 1.0:
             return None
-        inner.momentum = 0.0  # read by SGD.build: no momentum slots, the wrapper keeps them
+        inner_lib.move_momentum(inner)  # no momentum slots: the wrapper keeps the momentum
         return dataclasses.replace(self, momentum=inner_m)
 
     def accumulate(self, velocities: Sequence[tf.Tensor], grads: Sequence[tf.Tensor]

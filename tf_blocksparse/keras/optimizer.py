@@ -30,21 +30,27 @@ that overflows on any replica is skipped on every one, which all lower their sca
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import _compat, blocks, codec
+from tf_blocksparse import _compat, blocks
 from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.distribute.forward_order import backward_ranks
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.keras import dense_phase, local_steps, loss_scale, replica_state
+from tf_blocksparse.keras import (
+    dense_phase,
+    inner_optimizer,
+    local_steps,
+    loss_scale,
+    replica_state,
+)
 from tf_blocksparse.keras import optimizer_step as step
+from tf_blocksparse.keras.accumulation import GradientAccumulation
 from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
@@ -55,6 +61,12 @@ from tf_blocksparse.keras.optimizer_args import (
     densify,
     discover_owners,
     split_arguments,
+)
+from tf_blocksparse.keras.transforms import (
+    ClippingTransform,
+    MomentumTransform,
+    read_state,
+    state_commits,
 )
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
 from tf_blocksparse.planning.exchange_cost import ExchangeDecision
@@ -78,6 +90,17 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     one block per variable and replica per step (``k=1``) when sparse, variables under 1024
     elements sent whole, the SGD's momentum moved before a sparse exchange.  ``exchange=
     "allgather"`` always compresses.
+
+    The inner (and outer) optimizer is touched in these ways only, all through
+    :mod:`~tf_blocksparse.keras.inner_optimizer`: its gradient all-reduce is disabled
+    (:func:`~tf_blocksparse.keras.inner_optimizer.take_over`); with
+    ``momentum_correction="auto"`` an inner SGD's momentum is moved to the policy, its own
+    set to 0 (:func:`~tf_blocksparse.keras.inner_optimizer.move_momentum`); with a changing
+    exchange (``exchange="auto"``, ``dense_steps``) and local momentum over a plain SGD, the
+    SGD applies the factor to the dense groups' variables only
+    (:func:`~tf_blocksparse.keras.inner_optimizer.momentum_in_dense_groups`, a patch of its
+    ``update_step``); and ``get_config`` then writes its momentum as 0
+    (:func:`~tf_blocksparse.keras.inner_optimizer.inner_config`).
 
     Args:
       inner: The Keras optimizer that applies the exchanged update (e.g. ``SGD(0.1,
@@ -167,8 +190,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         self.fusion_buffer_bytes = fusion_buffer_bytes
         self.accumulation_steps = every
         self.clipping = rules
+        self._clip = ClippingTransform(rules, lambda: self._unit_axes)
+        self._momentum = MomentumTransform(momentum)
         self._model = model
-        _compat.disable_gradient_all_reduce(inner)
         # exchange="auto" or a dense phase: the modes, where a group's momentum lives, the
         # switch's moves
         changing = compression.auto or (compression.dense_steps and compression.sparse)
@@ -183,11 +207,14 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         self._window: keras.Variable | None = None
         self.sync_every = sync_every
         self.outer_optimizer = outer
-        if outer is not None:
-            _compat.disable_gradient_all_reduce(outer)
+        inner_optimizer.take_over(inner, outer)
         self._anchors: list[keras.Variable] = []
-        self._sync_fn: Any = None
-        self._state_apart = False  # see replica_state_apart
+        # components: local steps or accumulation (each owns its step), Keras saving
+        self._local = None if sync_every is None else local_steps.LocalSteps(
+            sync_every, outer, inner, self._exchange, lambda: self._stats)
+        self._accumulation = None if every == 1 else GradientAccumulation(
+            every, self._exchange, lambda: self._stats, lambda: self.inner_optimizer.iterations)
+        self._saving = replica_state.KerasSaving()
 
     @property
     def gradient_accumulation_steps(self) -> int | None:
@@ -213,33 +240,20 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         if self.exchange != "dense":
             self._residuals = [self._per_replica_variable(v, v.shape, v.dtype, "residual_")
                                for v in var_list]
-        self._velocities = []
-        if self.momentum_policy is not None and self.momentum_policy.active:
-            self._velocities = [self._per_replica_variable(v, v.shape, v.dtype, "velocity_")
-                                for v in var_list]
-        self._clip_states = [[self._per_replica_variable(v, (rule.state_size,), "float32",
-                                                         f"clip{j}_{type(rule).__name__}_")
-                              for j, rule in enumerate(self.clipping) if rule.state_size]
-                             for v in var_list]
+        self._velocities = [u for us in self._momentum.init(var_list, self._per_replica_variable)
+                            for u in us]
+        self._clip_states = self._clip.init(var_list, self._per_replica_variable)
         self._stats = keras.Variable(
             initializer=keras.initializers.Zeros(), shape=(step.STATS_SIZE,), dtype="float32",
             trainable=False, synchronization="on_read", aggregation="mean",
             name="blocksparse_stats")
         self._accumulators, self._window = [], None
-        if self.sync_every is not None:
-            self._anchors = [self.add_variable_from_reference(v, "anchor") for v in var_list]
-            for anchor, v in zip(self._anchors, var_list):
-                anchor.assign(v)
-            self.outer_optimizer.build(self._anchors)
-            self._outer_norm = keras.Variable(
-                initializer=keras.initializers.Zeros(), shape=(), dtype="float32",
-                trainable=False, synchronization="on_read", aggregation="mean",
-                name="outer_update_norm")
-        if self.accumulation_steps > 1:
-            self._accumulators = [self._per_replica_variable(v, v.shape, v.dtype,
-                                                             "accumulated_")
-                                  for v in var_list]
-        if self.accumulation_steps > 1 or self.sync_every is not None:
+        if self._local is not None:
+            self._anchors, self._outer_norm = self._local.build(
+                var_list, self.add_variable_from_reference)
+        if self._accumulation is not None:
+            self._accumulators = self._accumulation.build(var_list, self._per_replica_variable)
+        if self._local is not None or self._accumulation is not None:
             self._window = self.add_variable(shape=(), initializer="zeros", dtype="int64",
                                              aggregation="only_first_replica",
                                              name="local_steps" if self.sync_every
@@ -249,6 +263,11 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             super().build(var_list)
         finally:
             self.accumulation_steps = every
+        if self._local is not None:
+            self._local.bind(self._window, self._distribution_strategy,
+                             self._trainable_variables)
+        if self._accumulation is not None:
+            self._accumulation.window = self._window
         if self._auto is not None:
             groups = self._group_indices()
             self._auto.build(self._distribution_strategy, self._trainable_variables, groups,
@@ -292,54 +311,31 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         ``sync_every`` (else []): the inner optimizer's state and the trained weights.
         Backups save every replica's copy per worker, as the per-replica state, so a run
         backed up inside a window resumes exactly."""
-        if self.sync_every is None or not self.built:
+        if self._local is None or not self.built:
             return []
-        shared = {id(self.inner_optimizer.iterations),  # the same on every replica
-                  id(self.inner_optimizer.learning_rate)}
-        return [v for v in self.inner_optimizer.variables
-                if id(v) not in shared] + list(self._trainable_variables)
+        return self._local.local_variables()
 
     # -- saving --------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def replica_state_apart(self) -> Iterator[None]:
+    def replica_state_apart(self) -> contextlib.AbstractContextManager[None]:
         """Within it, Keras saving leaves out the per-replica state (residuals, velocities,
         clipping state) and loading expects it left out: ``BackupAndRestore`` saves that
         state per worker instead (:mod:`tf_blocksparse.keras.replica_state`), since a
         cross-replica read of it is an all-reduce.  Outside it (``model.save``), the state is
         saved as its sum over replicas and a load gives every replica ``sum / N``."""
-        before, self._state_apart = self._state_apart, True
-        try:
-            yield
-        finally:
-            self._state_apart = before
-
-    def _saved_variables(self) -> list[keras.Variable]:
-        if self._state_apart:
-            return [v for v in self.variables if not _compat.is_on_read(v)]
-        return self.variables
+        return self._saving.apart()
 
     def save_own_variables(self, store: Any) -> None:
         """Saves the state with no collective, so any worker may save alone (``model.save``
         on the chief only, as Horovod users do): per-replica state is saved as its sum over
         replicas, exact on one worker and estimated from this worker's replicas on several
         (:func:`~tf_blocksparse.keras.replica_state.cluster_value`)."""
-        replicas = self._distribution_strategy.num_replicas_in_sync
-        for i, variable in enumerate(self._saved_variables()):
-            store[str(i)] = (replica_state.cluster_value(variable, replicas)
-                             if _compat.is_on_read(variable) else variable.numpy())
+        self._saving.save(store, self.variables,
+                          self._distribution_strategy.num_replicas_in_sync)
 
     def load_own_variables(self, store: Any) -> None:
         """Loads a full save (``model.save``: per-replica state as sums) or, within
         :meth:`replica_state_apart`, one without the per-replica state."""
-        variables = self._saved_variables()
-        if len(store.keys()) != len(variables):  # as Keras: warn and keep the current state
-            warnings.warn(f"Skipping variable loading for optimizer {self.name!r}: the file "
-                          f"holds {len(store.keys())} variables, this optimizer "
-                          f"{len(variables)} (not built yet, or another configuration)",
-                          stacklevel=2)
-            return
-        for i, variable in enumerate(variables):
-            variable.assign(store[str(i)])
+        self._saving.load(store, self.variables, self.name)
 
     @property
     def learning_rate(self) -> Any:
@@ -393,81 +389,12 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             return
         grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]
         idx = [self._get_variable_index(v) for v in tvs]
-        if self.sync_every is not None:
-            self._local_step(grads, tvs, idx)
-        elif self.accumulation_steps > 1:
-            self._accumulate_or_exchange(grads, tvs, idx)
+        if self._local is not None:
+            self._local.step(grads, tvs, idx)
+        elif self._accumulation is not None:
+            self._accumulation.step(grads, tvs, idx)
         else:
             self._exchange(grads, tvs, idx)
-
-    def _accumulate_or_exchange(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any],
-                                idx: Sequence[int]) -> None:
-        """One micro-step of ``gradient_accumulation_steps = n``: the replica adds its
-        gradients to its accumulators (no communication), and on every n-th micro-step the
-        mean of the window's gradients goes through :meth:`_exchange` as one step's would
-        (clipping, error feedback, the exchange, the inner optimizer).  A window whose mean
-        is not finite on some replica is dropped on every replica.  ``iterations`` counts
-        micro-steps (the inner optimizer's learning-rate schedule sees them, as in Keras)."""
-        n = self.accumulation_steps
-        accumulators = [self._accumulators[i] for i in idx]
-        window = self._window
-
-        def exchange(grads: Sequence[tf.Tensor]) -> None:
-            mean = [(tf.convert_to_tensor(a.value) + g) / tf.cast(n, g.dtype)
-                    for a, g in zip(accumulators, grads)]
-            self._exchange(mean, tvs, idx)
-            for a in accumulators:
-                a.value.assign(tf.zeros_like(a.value))
-            window.assign(tf.zeros_like(window.value))
-
-        def accumulate(grads: Sequence[tf.Tensor]) -> None:
-            for a, g in zip(accumulators, grads):
-                a.value.assign_add(g)
-            window.assign_add(tf.ones_like(window.value))
-            self.inner_optimizer.iterations.assign_add(
-                tf.ones_like(self.inner_optimizer.iterations.value))
-            step.record_micro_step(self._stats, sum(codec.buffer_nbytes(g) for g in grads))
-
-        step.replica_cond(window.value + 1 >= n, exchange, accumulate, (list(grads),))
-
-    def _local_step(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int]
-                    ) -> None:
-        """One local step of ``sync_every = H``: the inner optimizer applies the replica's
-        own gradient to its own weights (no communication); every H-th step synchronises
-        (:meth:`_synchronize_replica`)."""
-        ctx = tf.distribute.get_replica_context()
-        local, finite = local_steps.local_gradients(grads, ctx.num_replicas_in_sync)
-        self.inner_optimizer.apply(local, tvs)
-        window = self._window
-        window.assign_add(tf.ones_like(window.value))
-        step.count_skipped(self._stats, finite)
-
-        def synchronize(_: Any) -> None:
-            self._synchronize_replica(tvs, idx)
-
-        def wait(_: Any) -> None:
-            step.record_micro_step(self._stats, sum(codec.buffer_nbytes(g) for g in grads))
-
-        step.replica_cond(window.value >= self.sync_every, synchronize, wait, (0,))
-
-    def _synchronize_replica(self, tvs: Sequence[Any], idx: Sequence[int],
-                             counted: bool = True) -> None:
-        """The exchange of a window (in replica context): the replica's pseudo-gradient
-        ``(anchor - w) / N`` through the exchange, ``outer`` applied to the anchors, every
-        replica's weights set to them, the window restarted.  ``counted``: the exchange is
-        part of a training step (not :meth:`synchronize`'s)."""
-        ctx = tf.distribute.get_replica_context()
-        anchors = [self._anchors[i] for i in idx]
-        n = ctx.num_replicas_in_sync
-        before = [tf.convert_to_tensor(a) for a in anchors]
-        deltas = [(a - tf.convert_to_tensor(v)) / tf.cast(n, v.dtype)
-                  for a, v in zip(before, tvs)]
-        self._exchange(deltas, anchors, idx, optimizer=self.outer_optimizer, counted=counted)
-        moves = [tf.cast(tf.convert_to_tensor(a) - b, tf.float32)
-                 for a, b in zip(anchors, before)]
-        self._outer_norm.value.assign(tf.sqrt(tf.add_n([tf.reduce_sum(m * m) for m in moves])))
-        local_steps.assign_on_each_replica(tvs, [tf.convert_to_tensor(a) for a in anchors])
-        self._window.assign(tf.zeros_like(self._window.value))
 
     def synchronize(self) -> None:
         """Exchanges the progress of the current window of ``sync_every`` now (a partial
@@ -475,28 +402,15 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         worker, eagerly in cross-replica context, before evaluating or saving in a custom
         loop (``model.fit`` does by itself).  Nothing happens without ``sync_every``, before
         the optimizer is built, or when the window is empty."""
-        if self.sync_every is None or not self.built or int(self._window.numpy()) == 0:
-            return
-        if self._sync_fn is None:
-            strategy = self._distribution_strategy
-            tvs = list(self._trainable_variables)
-            idx = list(range(len(tvs)))
-
-            @tf.function
-            def sync() -> None:
-                strategy.run(lambda: self._synchronize_replica(tvs, idx, counted=False))
-
-            self._sync_fn = sync
-        self._sync_fn()
+        if self._local is not None and self.built:
+            self._local.synchronize()
 
     def restart_window(self) -> None:
         """Takes the model's current weights as the last synchronised ones (the anchors),
         when the window is empty (eagerly, cross-replica context): weights loaded after the
         optimizer was built are then trained from, not overwritten at the next exchange."""
-        if self.sync_every is None or not self.built or int(self._window.numpy()) != 0:
-            return
-        for anchor, v in zip(self._anchors, self._trainable_variables):
-            anchor.assign(v)
+        if self._local is not None and self.built:
+            self._local.restart_window()
 
     def _exchange(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int],
                   optimizer: keras.optimizers.Optimizer | None = None,
@@ -506,57 +420,56 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         ctx = tf.distribute.get_replica_context()
         timed = ctx.num_replicas_in_sync > 1  # one replica: no exchange (and maybe XLA)
         start = graph_clock(grads) if timed else None
-        commits: list[tuple[Any, tf.Tensor]] = []
-        if self.clipping:
-            clip_vars = [self._clip_states[i] for i in idx]
-            grads, new = clipping_lib.apply_rules(
-                self.clipping, grads, [tf.convert_to_tensor(v) for v in tvs],
-                [[tf.convert_to_tensor(s.value) for s in vs] for vs in clip_vars],
-                ctx.num_replicas_in_sync, [self._unit_axes[i] for i in idx])
-            commits += [(s, n) for vs, ns in zip(clip_vars, new) for s, n in zip(vs, ns)]
-        velocities = [self._velocities[i] for i in idx] if self._velocities else []
-        # positions with per-replica state (all but dense groups flushed at their switch)
         auto = self._auto
-        live = [p for p, i in enumerate(idx) if not (auto and auto.stateless(i))]
-        if velocities and live:  # DGC momentum correction: u = m u + g is what gets exchanged
-            grads = list(grads)
-            us = self.momentum_policy.accumulate(
-                [tf.convert_to_tensor(velocities[p].value) for p in live],
-                [grads[p] for p in live])
-            for p, u in zip(live, us):
-                grads[p] = u
-        groups = self._fusion_groups(grads, idx)
+        # positions with per-replica state (all but dense groups flushed at their switch)
+        live = [not (auto and auto.stateless(i)) for i in idx]
+        clip_vars = [self._clip_states[i] for i in idx]
+        velocities = [[self._velocities[i]] if self._velocities else [] for i in idx]
+        # 1. clipping, 2. momentum correction: u = m u + g is what gets exchanged
+        grads, clip_new = self._clip.update(grads, read_state(clip_vars, [True] * len(idx)),
+                                            tvs, idx)
+        grads, velocity_new = self._momentum.update(grads, read_state(velocities, live),
+                                                    tvs, idx)
+        # 3. error feedback and the exchange, per bucket
+        residuals = [self._residuals[i] for i in idx] if self.exchange != "dense" else []
         state = None
-        if self.exchange != "dense" and live:
-            residuals = [self._residuals[i] for i in idx]
-            live_set = set(live)
-            state = [tf.convert_to_tensor(r.value) if p in live_set else None
-                     for p, r in enumerate(residuals)]
-        modes: Any = self.exchange
-        if auto:  # adjacent groups of one mode share one set of collectives
-            groups, modes = auto.exchange_groups(groups, idx)
-        result = step.run_grouped_exchange(
-            modes, ctx, lambda group: self._compressor([idx[i] for i in group]),
-            grads, state, groups, self.metric)
+        if residuals and any(live):
+            state = [tf.convert_to_tensor(r.value) if p else None
+                     for p, r in zip(live, residuals)]
+        result = self._exchange_buckets(grads, idx, state)
+        # 4. factor masking: what a replica sent leaves its velocity too (dense groups'
+        # momentum is the inner SGD's there)
+        velocity_new = self._momentum.mask(
+            velocity_new, lambda: self._compressor(idx).layouts, result.sent_ids, state,
+            [bool(auto and auto.inner_momentum and auto.in_dense_group(i)) for i in idx])
+        # 5. the state is committed only if the step is finite everywhere
+        commits = state_commits(clip_vars, clip_new)
         if state is not None and result.residuals is not None:
             commits += [(r, new) for r, new in zip(residuals, result.residuals)
                         if new is not None]
-        if velocities and live:  # factor masking: what a replica sent leaves its velocity too
-            sent = None if result.sent_ids is None else [result.sent_ids[p] for p in live]
-            kept = self.momentum_policy.mask(
-                [grads[p] for p in live], self._compressor([idx[p] for p in live]).layouts,
-                sent, None if state is None else [state[p] for p in live])
-            if auto and auto.inner_momentum:  # dense groups' momentum is the inner's
-                kept = [tf.zeros_like(u) if auto.in_dense_group(idx[p]) else u
-                        for u, p in zip(kept, live)]
-            commits += [(velocities[p], u) for p, u in zip(live, kept)]
+        commits += state_commits(velocities, velocity_new)
         if commits:
             step.when_finite(self.nonfinite, result.finite,
                              lambda: tf.group([v.value.assign(s) for v, s in commits]))
+        # 6. the inner (or outer) optimizer applies the exchanged update
         step.apply_inner(optimizer or self.inner_optimizer, self.nonfinite, result.updates,
                          tvs, result.finite)
         seconds = graph_clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
         step.record_stats(self._stats, result, seconds, counted)
+
+    def _exchange_buckets(self, grads: Sequence[tf.Tensor], idx: Sequence[int],
+                          state: Sequence[tf.Tensor | None] | None) -> Any:
+        """Error feedback and the exchange of ``grads`` (of variables ``idx``, residuals
+        ``state``) per fusion group; with a changing exchange, adjacent groups of one mode
+        share one set of collectives."""
+        groups = self._fusion_groups(grads, idx)
+        modes: Any = self.exchange
+        if self._auto:
+            groups, modes = self._auto.exchange_groups(groups, idx)
+        return step.run_grouped_exchange(
+            modes, ctx=tf.distribute.get_replica_context(),
+            make_comp=lambda group: self._compressor([idx[i] for i in group]),
+            grads=grads, state=state, groups=groups, metric=self.metric)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
@@ -708,7 +621,8 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         policy = self.momentum_policy
         return {
             "name": self.name,
-            "inner": self._inner_config(),
+            "inner": inner_optimizer.inner_config(
+                self.inner_optimizer, self._auto is not None and self._auto.inner_momentum),
             "compression": self.compression.get_config(),
             "momentum_correction": None if policy is None else policy.get_config(),
             "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
@@ -718,12 +632,6 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             {"sync_every": self.sync_every,
              "outer": keras.saving.serialize_keras_object(self.outer_optimizer)}
             if self.sync_every is not None else {})
-
-    def _inner_config(self) -> dict[str, Any]:
-        config = keras.saving.serialize_keras_object(self.inner_optimizer)
-        if self._auto is not None and self._auto.inner_momentum:  # the policy's factor
-            config["config"]["momentum"] = 0.0
-        return config
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None
