@@ -32,7 +32,8 @@ _SPARSE_ONLY = ("k", "density", "density_warmup", "dense_below", "momentum_maski
 def _dense_takes_no_sparse_options(values: dict) -> bool:
     if values["compression"] != "dense":
         return True
-    return all(values[name] in (None, [], "none") for name in _SPARSE_ONLY)
+    return all(values[name] in (None, []) or (name == "quantize" and values[name] == "none")
+               for name in _SPARSE_ONLY)
 
 
 def _valid_shape(values: list[str]) -> bool:
@@ -110,9 +111,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          "many steps, then the workers' progress is exchanged (compressed as "
                          "--compression says) and applied by an outer Nesterov SGD; 0: every "
                          "step exchanges its gradients.", lower_bound=0, **fv)
-    flags.DEFINE_float("outer_lr", 0.7, "--sync_every: the outer SGD's learning rate.", **fv)
-    flags.DEFINE_float("outer_momentum", 0.9, "--sync_every: the outer SGD's Nesterov "
-                       "momentum, in [0, 1).", **fv)
+    flags.DEFINE_float("outer_lr", None, "--sync_every: the outer SGD's learning rate "
+                       "(default: the library's outer optimizer, SGD(1.0) for a sparse "
+                       "exchange, Nesterov SGD(0.7, momentum 0.9) for a dense one).", **fv)
+    flags.DEFINE_float("outer_momentum", None, "--sync_every: the outer SGD's Nesterov "
+                       "momentum, in [0, 1) (with --outer_lr; default 0).", **fv)
     flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1, **fv)
     flags.DEFINE_integer("steps_per_epoch", 0, "Cap on steps per epoch (0 = one pass over "
                          "this worker's shard).", lower_bound=0, **fv)
@@ -172,9 +175,15 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         ["k", "density"], lambda f: f["k"] is None or f["density"] is None,
         "give at most one of --k and --density", **fv)
     flags.register_validator("lr", lambda lr: lr > 0, "--lr must be > 0", **fv)
-    flags.register_validator("outer_lr", lambda lr: lr > 0, "--outer_lr must be > 0", **fv)
-    flags.register_validator("outer_momentum", lambda m: 0.0 <= m < 1.0,
+    flags.register_validator("outer_lr", lambda lr: lr is None or lr > 0,
+                             "--outer_lr must be > 0", **fv)
+    flags.register_validator("outer_momentum", lambda m: m is None or 0.0 <= m < 1.0,
                              "--outer_momentum must be in [0, 1)", **fv)
+    flags.register_multi_flags_validator(
+        ["outer_lr", "outer_momentum"],
+        lambda f: f["outer_momentum"] is None or f["outer_lr"] is not None,
+        "--outer_momentum needs --outer_lr (without both the library's default applies)",
+        **fv)
     flags.register_multi_flags_validator(
         ["sync_every", "exchange", "compression"],
         lambda f: not f["sync_every"] or f["compression"] == "dense" or f["exchange"] != "auto",

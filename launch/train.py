@@ -78,7 +78,7 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
                    exchange: str, lr, momentum: float, global_momentum: bool = False,
                    dense_below: int | None = None, momentum_masking: str | None = None,
                    fusion_buffer_bytes: int = 0, sync_every: int = 0,
-                   outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                   outer_lr: float | None = None, outer_momentum: float | None = None,
                    quantize: str = "none"):
     """``BlockSparseOptimizer(SGD(lr, momentum))`` as ``--compression`` asks, with the
     library's defaults for every option left ``None`` / ``False``.
@@ -96,8 +96,10 @@ def make_optimizer(compression: str, k: int | None, density: float | None, metri
         extra["fusion_buffer_bytes"] = fusion_buffer_bytes
     if sync_every:  # local steps: the inner SGD keeps its momentum on each worker
         extra["sync_every"] = sync_every
-        extra["outer"] = keras.optimizers.SGD(outer_lr, momentum=outer_momentum,
-                                              nesterov=outer_momentum > 0)
+        if outer_lr is not None:  # else the library's default outer optimizer
+            momentum = outer_momentum or 0.0
+            extra["outer"] = keras.optimizers.SGD(outer_lr, momentum=momentum,
+                                                  nesterov=momentum > 0)
     if compression == "dense":
         return tfbs.BlockSparseOptimizer(inner, exchange="dense", **extra)
     if global_momentum and not sync_every:

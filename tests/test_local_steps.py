@@ -176,7 +176,8 @@ def test_fit_evaluates_and_saves_synchronised_weights(mirrored2, tmp_path):
     loaded = keras.saving.load_model(path)
     assert loaded.optimizer.sync_every == 4
     assert isinstance(loaded.optimizer.outer_optimizer, keras.optimizers.SGD)
-    assert loaded.optimizer.outer_optimizer.nesterov
+    outer = loaded.optimizer.outer_optimizer  # a sparse exchange's default: SGD(1.0)
+    assert not outer.nesterov and float(outer.learning_rate) == pytest.approx(1.0)
     for a, b in zip(loaded.trainable_variables, model.trainable_variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
@@ -200,9 +201,13 @@ def test_bad_local_step_arguments_are_named(kwargs, named):
     assert inner.momentum == 0.0
 
 
-def test_default_outer_is_nesterov_sgd_and_default_exchange_compresses():
+def test_default_outer_is_plain_sgd_for_a_sparse_exchange_and_nesterov_for_dense():
     opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), sync_every=8)
-    outer = opt.outer_optimizer
-    assert float(outer.learning_rate) == pytest.approx(0.7)
-    assert outer.momentum == pytest.approx(0.9) and outer.nesterov
+    outer = opt.outer_optimizer  # error feedback carries what momentum would
+    assert float(outer.learning_rate) == pytest.approx(1.0)
+    assert outer.momentum == 0.0 and not outer.nesterov
     assert opt.exchange == "allgather" and opt.momentum_policy is None
+    dense = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), sync_every=8,
+                                      exchange="dense").outer_optimizer  # DiLoCo's
+    assert float(dense.learning_rate) == pytest.approx(0.7)
+    assert dense.momentum == pytest.approx(0.9) and dense.nesterov

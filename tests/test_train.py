@@ -51,6 +51,8 @@ def test_flags_parse_and_validate():
     (["--compression=dense", "--density_warmup=0.5"], "--density_warmup"),
     (["--compression=dense", "--dense_below=0"], "--dense_below"),
     (["--compression=dense", "--momentum_masking=none"], "--momentum_masking"),
+    (["--compression=dense", "--quantize=int8"], "--quantize"),
+    (["--outer_momentum=0.9"], "--outer_momentum"),
     (["--num_devices=0"], "num_devices"),
     (["--lr=0"], "--lr"),
     (["--momentum=1.5"], "--momentum"),

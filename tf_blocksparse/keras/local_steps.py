@@ -51,8 +51,17 @@ __all__ = ["LocalSteps", "LocalStepsCallback", "check_local_steps", "default_out
            "local_gradients"]
 
 
-def default_outer() -> keras.optimizers.Optimizer:
-    """DiLoCo's outer optimizer: SGD with learning rate 0.7 and Nesterov momentum 0.9."""
+def default_outer(sparse: bool) -> keras.optimizers.Optimizer:
+    """The outer optimizer that measured best (``cnn_small``, 4 replicas, 32 local steps):
+
+    - a sparse exchange: plain ``SGD(1.0)``.  Error feedback already carries the unsent
+      progress from exchange to exchange, as momentum would (SparseLoCo's finding); with
+      DiLoCo's Nesterov momentum on top, 5% of the blocks ended 9.7 points below dense,
+      without it 0.4 points below;
+    - the dense exchange: DiLoCo's ``SGD(0.7)`` with Nesterov momentum 0.9.
+    """
+    if sparse:
+        return keras.optimizers.SGD(1.0)
     return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
 
 

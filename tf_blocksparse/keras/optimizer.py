@@ -132,9 +132,10 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         every replica trains alone for ``sync_every`` steps with ``inner``, then the
         replicas' progress since the last exchange (a pseudo-gradient) is compressed and
         exchanged, and ``outer`` applies its mean.  Default: every step exchanges.
-      outer: The optimizer of the exchanged progress with ``sync_every`` (default: SGD with
-        learning rate 0.7 and Nesterov momentum 0.9, DiLoCo's).  Create it in the strategy's
-        scope.
+      outer: The optimizer of the exchanged progress with ``sync_every`` (default: plain
+        ``SGD(1.0)`` with a sparse exchange, whose error feedback does what outer momentum
+        would; DiLoCo's ``SGD(0.7, momentum=0.9, nesterov=True)`` with ``exchange="dense"``).
+        Create it in the strategy's scope.
       model: Optional Keras model whose layers own the variables.  Without it the owning
         layers are found among the live Keras layers at build time; either way every
         variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
@@ -179,7 +180,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             raise ValueError("`momentum_correction` does not combine with `sync_every`: the "
                              "inner optimizer's momentum stays local")
         if sync_every is not None and outer is None:
-            outer = local_steps.default_outer()
+            outer = local_steps.default_outer(compression.sparse)
         if outer is not None:
             check_inner(outer)
         super().__init__(learning_rate=0.0, name=name)
