@@ -110,6 +110,8 @@ bench-full: venv data
 	$(CONVERGE) --models=resnet20 --epochs=12 --seeds=0,1,2
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0,1,2
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0 --methods=block_allgather --density=0.03
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_dense,local_block
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0 --methods=local_block_nesterov
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=100,1000 \
@@ -117,8 +119,12 @@ bench-full: venv data
 			--check=gru_nmt:100:block_default:0 --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=30,300 \
 			--methods=dense,block_default,block_auto_default \
-			--convergence=$(BENCH)/convergence.json --out=$(BENCH); \
+			--convergence=$(BENCH)/convergence.json --out=$(BENCH) && \
+		$(PY) -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=100,10 \
+			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
+			--timing_steps=64 --convergence=$(BENCH)/convergence.json --out=runs/local_wall; \
 	else echo "bench-full: backup and wall-clock benches skipped (need root for network namespaces)"; fi
+	$(PY) -m launch.local_steps_report --wall_clock=runs/local_wall/time_to_accuracy.json
 	@echo "bench-full: the early-training groups of time_to_accuracy_early.json and convergence_early.json"
 	@echo "have their own commands in docs/results.md"
 

@@ -38,8 +38,8 @@ def define_flags() -> None:
 
 
 def summary_rows(convergence: dict, wall: dict | None) -> list[dict]:
-    """One row per model x rate x method of :data:`REPORT_METHODS` (rate ``None``: no
-    wall-clock timing of that model)."""
+    """One row per model x rate x method of :data:`REPORT_METHODS`, for the models with a
+    local-step run (rate ``None``: no wall-clock timing of that model)."""
     runs = [r for r in convergence["runs"] if r["method"] in REPORT_METHODS]
     wall_rows = {(w["model"], w["bandwidth_mbit"], w["method"]): w
                  for w in (wall or {}).get("summary", [])}
@@ -49,7 +49,8 @@ def summary_rows(convergence: dict, wall: dict | None) -> list[dict]:
         if rate not in rates_of[model]:
             rates_of[model].append(rate)
     rows = []
-    for model in dict.fromkeys(r["model"] for r in runs):
+    local = {r["model"] for r in runs if r["method"].startswith("local")}
+    for model in dict.fromkeys(r["model"] for r in runs if r["model"] in local):
         for rate in rates_of.get(model) or [None]:
             for method in REPORT_METHODS:
                 recs = sorted((r for r in runs if (r["model"], r["method"]) == (model, method)),

@@ -219,6 +219,21 @@ def hybrid_cluster_table(doc: dict) -> str:
         f"{doc['step_time_s_median']:.3f} |"])
 
 
+def local_steps_table(doc: dict) -> str:
+    """One row per model x link x method of ``launch/local_steps_report.py``
+    (``local_steps.json``)."""
+    lines = ["| model | link | method | seeds | final accuracy | bytes/step | fewer bytes than "
+             "dense | wall speedup to dense - 0.5 points |", "|---|---|---|---|---|---|---|---|"]
+    for r in doc["summary"]:
+        link = "-" if r["bandwidth_mbit"] is None else f"{r['bandwidth_mbit']:g} Mbit/s"
+        lines.append(
+            f"| {r['model']} | {link} | {r['method']} | {len(r['seeds'])} | "
+            f"{_spread(r['final_accuracy'], '.4f')} | {r['bytes_per_step']['mean']:,.0f} | "
+            f"{r['byte_reduction_vs_dense']:,.1f}x | "
+            f"{_spread(r['wall_speedup_vs_dense'], '.2f', suffix='x', missing='-')} |")
+    return "\n".join(lines)
+
+
 #: Results file -> its table.
 #: ``FILE`` or ``FILE#VIEW`` (a second table from the same file) -> table builder.
 TABLES = {"time_to_accuracy_early.json": time_to_accuracy_table,
@@ -227,7 +242,8 @@ TABLES = {"time_to_accuracy_early.json": time_to_accuracy_table,
           "convergence_early.json": convergence_table, "demo.json": demo_table,
           "time_to_accuracy.json": wall_clock_table, "backup.json": backup_table,
           "pipeline_cluster.json": pipeline_cluster_table,
-          "hybrid_cluster.json": hybrid_cluster_table}
+          "hybrid_cluster.json": hybrid_cluster_table,
+          "local_steps.json": local_steps_table}
 
 
 def source_file(name: str) -> str:

@@ -13,7 +13,7 @@ def test_rows_join_accuracy_bytes_and_wall_clock_per_rate():
     convergence = {"budget": {}, "runs": [
         _run("dense", 0, 0.9, 1000), _run("dense", 1, 0.92, 1000),
         _run("local_block", 1, 0.91, 2), _run("local_block", 0, 0.89, 2),
-        _run("topk_1pct", 0, 0.5, 10)]}
+        _run("topk_1pct", 0, 0.5, 10), {**_run("dense", 0, 0.9, 1000), "model": "other"}]}
     speed = {"mean": 12.0, "std": 1.0, "min": 11.0, "max": 13.0, "n": 2}
     wall = {"summary": [
         {"model": "m", "bandwidth_mbit": 100.0, "method": "local_block",

@@ -217,3 +217,25 @@ def test_hybrid_cluster_file():
     cap = doc["conv_worker_memory_mib"] * 2**20
     # the cap leaves less room beside a conv worker's idle footprint than the FC state needs
     assert all(cap - idle < doc["fc_state_bytes"] for idle in doc["conv_worker_idle_bytes"])
+
+
+def test_local_steps_file():
+    """Local steps against dense and the per-step exchange: every row's figures come from
+    its run records (exact evaluation), and the bytes per step are what the runs counted."""
+    doc = _load("local_steps.json")
+    methods = {r["method"] for r in doc["summary"]}
+    assert {"dense", "block_default", "local_dense", "local_block"} <= methods
+    runs = doc["runs"]
+    for row in doc["summary"]:
+        recs = [r for r in runs if (r["model"], r["method"]) == (row["model"], row["method"])]
+        assert sorted(r["flags"]["seed"] for r in recs) == sorted(row["seeds"])
+        assert row["final_accuracy"]["n"] == len(recs)
+        for r in recs:
+            assert r["test_accuracy"] == r["test_correct"] / r["test_examples"]
+            assert r["provenance"]["commit"]
+        assert row["bytes_per_step"]["mean"] == pytest.approx(sum(
+            r["payload_bytes_per_step"] for r in recs) / len(recs), abs=0.1)
+        if row["method"].startswith("local"):
+            assert all(r["flags"]["sync_every"] == 32 for r in recs)
+        speed = row["wall_speedup_vs_dense"]
+        assert speed is None or speed["n"] >= 1
