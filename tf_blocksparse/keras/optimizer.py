@@ -30,6 +30,7 @@ that overflows on any replica is skipped on every one, which all lower their sca
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,6 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat, blocks
-from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.feedback import BlockTopK, compressor_for
@@ -54,13 +54,13 @@ from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
     OptionsView,
-    check_inner,
-    check_step_arguments,
-    config_arguments,
     densify,
     discover_owners,
-    split_arguments,
+    from_wrapper_config,
+    resolve_arguments,
+    wrapper_config,
 )
+from tf_blocksparse.keras.optimizer_state import create_state, per_replica_variable
 from tf_blocksparse.keras.step_metrics import StepMetrics
 from tf_blocksparse.keras.transforms import (
     ClippingTransform,
@@ -164,35 +164,18 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
                  name: str | None = None, **options: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
-        check_inner(inner)
-        every = check_step_arguments(nonfinite, fusion_buffer_bytes,
-                                     gradient_accumulation_steps)
-        rules = clipping_lib.as_rules(clipping)
-        if sync_every is not None and momentum_correction == AUTO:
-            momentum_correction = None  # the inner optimizer's momentum stays local
-        if sync_every is not None and compression is None and "exchange" not in options:
-            options["exchange"] = "allgather"  # the automatic exchange times per-step syncs
-        compression, momentum = split_arguments(inner, compression, momentum_correction,
-                                                options)
-        local_steps.check_local_steps(sync_every, outer, clipping=rules,
-                                      accumulation_steps=every, auto=compression.auto)
-        if sync_every is not None and momentum is not None:
-            raise ValueError("`momentum_correction` does not combine with `sync_every`: the "
-                             "inner optimizer's momentum stays local")
-        if sync_every is not None and outer is None:
-            outer = local_steps.default_outer(compression.sparse)
-        if outer is not None:
-            check_inner(outer)
+        args = resolve_arguments(
+            inner, compression, momentum_correction=momentum_correction, clipping=clipping,
+            nonfinite=nonfinite, fusion_buffer_bytes=fusion_buffer_bytes,
+            gradient_accumulation_steps=gradient_accumulation_steps, sync_every=sync_every,
+            outer=outer, options=options)
         super().__init__(learning_rate=0.0, name=name)
-        self.compression = compression
-        self.momentum_policy = momentum
-        self.inner_optimizer = inner
-        self.nonfinite = nonfinite
+        self.compression, self.momentum_policy = args.compression, args.momentum
+        self.inner_optimizer, self.nonfinite = inner, nonfinite
         self.fusion_buffer_bytes = fusion_buffer_bytes
-        self.accumulation_steps = every
-        self.clipping = rules
-        self._clip = ClippingTransform(rules, lambda: self._unit_axes)
-        self._momentum = MomentumTransform(momentum)
+        self.accumulation_steps, self.clipping = args.accumulation_steps, args.clipping
+        self._clip = ClippingTransform(args.clipping, lambda: self._unit_axes)
+        self._momentum = MomentumTransform(args.momentum)
         self._model = model
         # components: fusion groups and changing modes (exchange="auto", a dense phase), the
         # reported figures
@@ -200,20 +183,17 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         self._metrics = StepMetrics(self, lambda: self._stats, lambda: self._outer_norm)
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
-        self._residuals: list[keras.Variable] = []
-        self._clip_states: list[list[keras.Variable]] = []
-        self._velocities: list[keras.Variable] = []
-        self._accumulators: list[keras.Variable] = []
+        self._residuals, self._clip_states, self._velocities, self._accumulators = [], [], [], []
         self._window: keras.Variable | None = None
-        self.sync_every = sync_every
-        self.outer_optimizer = outer
-        inner_optimizer.take_over(inner, outer)
+        self.sync_every, self.outer_optimizer = args.sync_every, args.outer
+        inner_optimizer.take_over(inner, args.outer)
         self._anchors: list[keras.Variable] = []
         # components: local steps or accumulation (each owns its step), Keras saving
         self._local = None if sync_every is None else local_steps.LocalSteps(
-            sync_every, outer, inner, self._exchange, lambda: self._stats)
-        self._accumulation = None if every == 1 else GradientAccumulation(
-            every, self._exchange, lambda: self._stats, lambda: self.inner_optimizer.iterations)
+            sync_every, args.outer, inner, self._exchange, lambda: self._stats)
+        self._accumulation = None if args.accumulation_steps == 1 else GradientAccumulation(
+            args.accumulation_steps, self._exchange, lambda: self._stats,
+            lambda: self.inner_optimizer.iterations)
         self._saving = replica_state.KerasSaving()
 
     @property
@@ -235,25 +215,18 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules, owners)
         self._unit_axes = [layout_unit_axes(lay) for lay in self.layouts]  # AGC = blocks
         self._schedule.build(var_list, self._model)
-        self._residuals = []
-        if self.exchange != "dense":
-            self._residuals = [self._per_replica_variable(v, v.shape, v.dtype, "residual_")
-                               for v in var_list]
-        self._velocities = [u for us in self._momentum.init(var_list, self._per_replica_variable)
-                            for u in us]
-        self._clip_states = self._clip.init(var_list, self._per_replica_variable)
-        self._stats = StepMetrics.create_stats()
-        self._accumulators, self._window = [], None
+        state = create_state(
+            var_list, residuals=self.exchange != "dense", momentum=self._momentum,
+            clip=self._clip, local=self._local, accumulation=self._accumulation,
+            new_state=functools.partial(per_replica_variable, self._distribution_strategy,
+                                        self._track_variable),
+            add_variable=self.add_variable,
+            add_variable_from_reference=self.add_variable_from_reference)
+        self._residuals, self._velocities = state.residuals, state.velocities
+        self._clip_states, self._stats = state.clip_states, state.stats
         if self._local is not None:
-            self._anchors, self._outer_norm = self._local.build(
-                var_list, self.add_variable_from_reference)
-        if self._accumulation is not None:
-            self._accumulators = self._accumulation.build(var_list, self._per_replica_variable)
-        if self._local is not None or self._accumulation is not None:
-            self._window = self.add_variable(shape=(), initializer="zeros", dtype="int64",
-                                             aggregation="only_first_replica",
-                                             name="local_steps" if self.sync_every
-                                             else "accumulated_steps")
+            self._anchors, self._outer_norm = state.anchors, state.outer_norm
+        self._accumulators, self._window = state.accumulators, state.window
         every, self.accumulation_steps = self.accumulation_steps, 1  # Keras' build must not
         try:                                                          # add accumulators
             super().build(var_list)
@@ -265,18 +238,6 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         if self._accumulation is not None:
             self._accumulation.window = self._window
         self._schedule.bind(self._distribution_strategy, self._trainable_variables)
-
-    def _per_replica_variable(self, v: Any, shape: tuple[int, ...], dtype: str, prefix: str
-                              ) -> keras.Variable:
-        """A zero-initialised per-replica (on-read, sum) state variable next to ``v``."""
-        with self._distribution_strategy.extended.colocate_vars_with(
-                v.value if isinstance(v, keras.Variable) else v):
-            s = keras.Variable(
-                initializer=keras.initializers.Zeros(), shape=shape, dtype=dtype,
-                trainable=False, synchronization="on_read", aggregation="sum",
-                name=prefix + (getattr(v, "path", None) or v.name).replace("/", "_"))
-        self._track_variable(s)
-        return s
 
     @property
     def clip_states(self) -> list[list[keras.Variable]]:
@@ -518,30 +479,12 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
 
     # -- config --------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
-        policy = self.momentum_policy
-        return {
-            "name": self.name,
-            "inner": inner_optimizer.inner_config(
-                self.inner_optimizer, self._auto is not None and self._auto.inner_momentum),
-            "compression": self.compression.get_config(),
-            "momentum_correction": None if policy is None else policy.get_config(),
-            "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
-            "nonfinite": self.nonfinite, "fusion_buffer_bytes": self.fusion_buffer_bytes,
-        } | ({"gradient_accumulation_steps": self.accumulation_steps}
-             if self.accumulation_steps > 1 else {}) | (
-            {"sync_every": self.sync_every,
-             "outer": keras.saving.serialize_keras_object(self.outer_optimizer)}
-            if self.sync_every is not None else {})
+        return wrapper_config(self, self._auto is not None and self._auto.inner_momentum)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None
                     ) -> BlockSparseOptimizer:
-        config = config_arguments(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner"),
-                                                      custom_objects=custom_objects)
-        if config.get("outer") is not None:
-            config["outer"] = keras.saving.deserialize_keras_object(
-                config["outer"], custom_objects=custom_objects)
+        inner, config = from_wrapper_config(config, custom_objects)
         return cls(inner, **config)
 
 
