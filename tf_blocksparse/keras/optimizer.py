@@ -30,6 +30,7 @@ that overflows on any replica is skipped on every one, which all lower their sca
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,13 +38,10 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat, blocks
-from tf_blocksparse import clipping as clipping_lib
 from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
-from tf_blocksparse.distribute.forward_order import backward_ranks
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.keras import (
-    dense_phase,
     inner_optimizer,
     local_steps,
     loss_scale,
@@ -51,17 +49,19 @@ from tf_blocksparse.keras import (
 )
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.accumulation import GradientAccumulation
+from tf_blocksparse.keras.exchange_schedule import ExchangeSchedule
 from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
     OptionsView,
-    check_inner,
-    check_step_arguments,
-    config_arguments,
     densify,
     discover_owners,
-    split_arguments,
+    from_wrapper_config,
+    resolve_arguments,
+    wrapper_config,
 )
+from tf_blocksparse.keras.optimizer_state import create_state, per_replica_variable
+from tf_blocksparse.keras.step_metrics import StepMetrics
 from tf_blocksparse.keras.transforms import (
     ClippingTransform,
     MomentumTransform,
@@ -164,57 +164,36 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
                  name: str | None = None, **options: Any):
         if isinstance(inner, BlockSparseOptimizer):
             raise TypeError("`inner` is already a BlockSparseOptimizer")
-        check_inner(inner)
-        every = check_step_arguments(nonfinite, fusion_buffer_bytes,
-                                     gradient_accumulation_steps)
-        rules = clipping_lib.as_rules(clipping)
-        if sync_every is not None and momentum_correction == AUTO:
-            momentum_correction = None  # the inner optimizer's momentum stays local
-        if sync_every is not None and compression is None and "exchange" not in options:
-            options["exchange"] = "allgather"  # the automatic exchange times per-step syncs
-        compression, momentum = split_arguments(inner, compression, momentum_correction,
-                                                options)
-        local_steps.check_local_steps(sync_every, outer, clipping=rules,
-                                      accumulation_steps=every, auto=compression.auto)
-        if sync_every is not None and momentum is not None:
-            raise ValueError("`momentum_correction` does not combine with `sync_every`: the "
-                             "inner optimizer's momentum stays local")
-        if sync_every is not None and outer is None:
-            outer = local_steps.default_outer(compression.sparse)
-        if outer is not None:
-            check_inner(outer)
+        args = resolve_arguments(
+            inner, compression, momentum_correction=momentum_correction, clipping=clipping,
+            nonfinite=nonfinite, fusion_buffer_bytes=fusion_buffer_bytes,
+            gradient_accumulation_steps=gradient_accumulation_steps, sync_every=sync_every,
+            outer=outer, options=options)
         super().__init__(learning_rate=0.0, name=name)
-        self.compression = compression
-        self.momentum_policy = momentum
-        self.inner_optimizer = inner
-        self.nonfinite = nonfinite
+        self.compression, self.momentum_policy = args.compression, args.momentum
+        self.inner_optimizer, self.nonfinite = inner, nonfinite
         self.fusion_buffer_bytes = fusion_buffer_bytes
-        self.accumulation_steps = every
-        self.clipping = rules
-        self._clip = ClippingTransform(rules, lambda: self._unit_axes)
-        self._momentum = MomentumTransform(momentum)
+        self.accumulation_steps, self.clipping = args.accumulation_steps, args.clipping
+        self._clip = ClippingTransform(args.clipping, lambda: self._unit_axes)
+        self._momentum = MomentumTransform(args.momentum)
         self._model = model
-        # exchange="auto" or a dense phase: the modes, where a group's momentum lives, the
-        # switch's moves
-        changing = compression.auto or (compression.dense_steps and compression.sparse)
-        self._auto = AutoExchangeRuntime(self) if changing else None
+        # components: fusion groups and changing modes (exchange="auto", a dense phase), the
+        # reported figures
+        self._schedule = ExchangeSchedule(self, self._compressor)
+        self._metrics = StepMetrics(self, lambda: self._stats, lambda: self._outer_norm)
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
-        self._backward_ranks: list[int] | None = None
-        self._residuals: list[keras.Variable] = []
-        self._clip_states: list[list[keras.Variable]] = []
-        self._velocities: list[keras.Variable] = []
-        self._accumulators: list[keras.Variable] = []
+        self._residuals, self._clip_states, self._velocities, self._accumulators = [], [], [], []
         self._window: keras.Variable | None = None
-        self.sync_every = sync_every
-        self.outer_optimizer = outer
-        inner_optimizer.take_over(inner, outer)
+        self.sync_every, self.outer_optimizer = args.sync_every, args.outer
+        inner_optimizer.take_over(inner, args.outer)
         self._anchors: list[keras.Variable] = []
         # components: local steps or accumulation (each owns its step), Keras saving
         self._local = None if sync_every is None else local_steps.LocalSteps(
-            sync_every, outer, inner, self._exchange, lambda: self._stats)
-        self._accumulation = None if every == 1 else GradientAccumulation(
-            every, self._exchange, lambda: self._stats, lambda: self.inner_optimizer.iterations)
+            sync_every, args.outer, inner, self._exchange, lambda: self._stats)
+        self._accumulation = None if args.accumulation_steps == 1 else GradientAccumulation(
+            args.accumulation_steps, self._exchange, lambda: self._stats,
+            lambda: self.inner_optimizer.iterations)
         self._saving = replica_state.KerasSaving()
 
     @property
@@ -235,30 +214,19 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         owners = None if self._model is not None else discover_owners(var_list)
         self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules, owners)
         self._unit_axes = [layout_unit_axes(lay) for lay in self.layouts]  # AGC = blocks
-        self._backward_ranks = (backward_ranks(self._model, var_list)
-                                if self.fusion_buffer_bytes is not None else None)
-        self._residuals = []
-        if self.exchange != "dense":
-            self._residuals = [self._per_replica_variable(v, v.shape, v.dtype, "residual_")
-                               for v in var_list]
-        self._velocities = [u for us in self._momentum.init(var_list, self._per_replica_variable)
-                            for u in us]
-        self._clip_states = self._clip.init(var_list, self._per_replica_variable)
-        self._stats = keras.Variable(
-            initializer=keras.initializers.Zeros(), shape=(step.STATS_SIZE,), dtype="float32",
-            trainable=False, synchronization="on_read", aggregation="mean",
-            name="blocksparse_stats")
-        self._accumulators, self._window = [], None
+        self._schedule.build(var_list, self._model)
+        state = create_state(
+            var_list, residuals=self.exchange != "dense", momentum=self._momentum,
+            clip=self._clip, local=self._local, accumulation=self._accumulation,
+            new_state=functools.partial(per_replica_variable, self._distribution_strategy,
+                                        self._track_variable),
+            add_variable=self.add_variable,
+            add_variable_from_reference=self.add_variable_from_reference)
+        self._residuals, self._velocities = state.residuals, state.velocities
+        self._clip_states, self._stats = state.clip_states, state.stats
         if self._local is not None:
-            self._anchors, self._outer_norm = self._local.build(
-                var_list, self.add_variable_from_reference)
-        if self._accumulation is not None:
-            self._accumulators = self._accumulation.build(var_list, self._per_replica_variable)
-        if self._local is not None or self._accumulation is not None:
-            self._window = self.add_variable(shape=(), initializer="zeros", dtype="int64",
-                                             aggregation="only_first_replica",
-                                             name="local_steps" if self.sync_every
-                                             else "accumulated_steps")
+            self._anchors, self._outer_norm = state.anchors, state.outer_norm
+        self._accumulators, self._window = state.accumulators, state.window
         every, self.accumulation_steps = self.accumulation_steps, 1  # Keras' build must not
         try:                                                          # add accumulators
             super().build(var_list)
@@ -269,22 +237,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
                              self._trainable_variables)
         if self._accumulation is not None:
             self._accumulation.window = self._window
-        if self._auto is not None:
-            groups = self._group_indices()
-            self._auto.build(self._distribution_strategy, self._trainable_variables, groups,
-                             [self._compressor(g) for g in groups], self._group_dtypes(groups))
-
-    def _per_replica_variable(self, v: Any, shape: tuple[int, ...], dtype: str, prefix: str
-                              ) -> keras.Variable:
-        """A zero-initialised per-replica (on-read, sum) state variable next to ``v``."""
-        with self._distribution_strategy.extended.colocate_vars_with(
-                v.value if isinstance(v, keras.Variable) else v):
-            s = keras.Variable(
-                initializer=keras.initializers.Zeros(), shape=shape, dtype=dtype,
-                trainable=False, synchronization="on_read", aggregation="sum",
-                name=prefix + (getattr(v, "path", None) or v.name).replace("/", "_"))
-        self._track_variable(s)
-        return s
+        self._schedule.bind(self._distribution_strategy, self._trainable_variables)
 
     @property
     def clip_states(self) -> list[list[keras.Variable]]:
@@ -463,10 +416,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         """Error feedback and the exchange of ``grads`` (of variables ``idx``, residuals
         ``state``) per fusion group; with a changing exchange, adjacent groups of one mode
         share one set of collectives."""
-        groups = self._fusion_groups(grads, idx)
-        modes: Any = self.exchange
-        if self._auto:
-            groups, modes = self._auto.exchange_groups(groups, idx)
+        groups, modes = self._schedule.exchange_groups(grads, idx)
         return step.run_grouped_exchange(
             modes, ctx=tf.distribute.get_replica_context(),
             make_comp=lambda group: self._compressor([idx[i] for i in group]),
@@ -476,173 +426,65 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         """The compressor of ``compression`` over the variables with indices ``variables``."""
         return compressor_for(self.compression, [self.layouts[i] for i in variables])
 
-    def _fusion_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
-                       ) -> list[list[int]]:
-        """Positions of ``grads`` (of variables ``idx``) per fusion group, in backward order
-        (one group if ``fusion_buffer_bytes`` is unset)."""
-        if self.fusion_buffer_bytes is None:
-            return [list(range(len(grads)))]
-        plan = step.fusion_plan(grads, idx, self._backward_ranks, self.fusion_buffer_bytes)
-        return [list(group.members) for group in plan.groups]
+    # -- exchange schedule and figures (see ExchangeSchedule and StepMetrics) -----------
+    @property
+    def _auto(self) -> AutoExchangeRuntime | None:
+        """The changing exchange's runtime (:attr:`ExchangeSchedule.auto`)."""
+        return self._schedule.auto
 
     @property
     def fusion_plan(self) -> FusionPlan | None:
-        """The plan over every built variable (members = variable indices), or ``None``."""
-        if self.fusion_buffer_bytes is None or not self.built:
-            return None
-        specs = [tf.TensorSpec(v.shape, v.dtype) for v in self._trainable_variables]
-        return step.fusion_plan(specs, range(len(specs)), self._backward_ranks,
-                                self.fusion_buffer_bytes)
+        """See :attr:`ExchangeSchedule.fusion_plan`."""
+        return self._schedule.fusion_plan
 
-    # -- automatic exchange --------------------------------------------------------------
     def measure_exchange(self, compute_s: float | None = None) -> ExchangeDecision | None:
-        """Measures the cluster and re-decides ``exchange="auto"`` (every worker must call
-        it, eagerly in cross-replica context; re-trace the step afterwards).
+        """See :meth:`ExchangeSchedule.measure`."""
+        return self._schedule.measure(compute_s)
 
-        Args:
-          compute_s: Measured seconds per step outside the exchange (``None``: not known,
-            the policy's ``compute_prior`` times the compression time is assumed).
-        """
-        if self._auto is None:
-            raise ValueError("measure_exchange() needs a built optimizer with exchange='auto'")
-        return self._auto.measure(compute_s)
-
-    # -- dense phase ---------------------------------------------------------------------
     @property
     def in_dense_phase(self) -> bool:
-        """Whether the step is still traced as the dense exchange (``dense_steps``, see
-        :mod:`~tf_blocksparse.keras.dense_phase`)."""
-        return self._auto is not None and self._auto.dense_phase
+        """See :attr:`ExchangeSchedule.in_dense_phase`."""
+        return self._schedule.in_dense_phase
 
     def update_dense_phase(self) -> bool:
-        """Ends the dense phase once ``iterations`` reach ``dense_steps``: moves the state
-        (every worker must call it, eagerly in cross-replica context, between steps).
-
-        Returns:
-          Whether it ended now; then re-trace the step (``model.fit`` does, see
-          :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback`).
-        """
-        if not self.in_dense_phase or not self.built or \
-                int(self.iterations.numpy()) < self.compression.dense_steps:
-            return False
-        return self._auto.end_dense_phase()
+        """See :meth:`ExchangeSchedule.update_dense_phase`."""
+        return self._schedule.update_dense_phase()
 
     def fit_callbacks(self, callbacks: Sequence[keras.callbacks.Callback] = ()
                       ) -> list[keras.callbacks.Callback]:
-        """The callbacks ``model.fit`` needs for this optimizer that ``callbacks`` lacks:
-        an :class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback` with
-        ``exchange="auto"`` and a choice (two or more candidates), a
-        :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback` with ``dense_steps``.
-
-        ``model.fit`` adds them by itself (:mod:`~tf_blocksparse.keras.fit_loop`); a loop
-        that builds its own ``CallbackList`` passes ``[*mine, *opt.fit_callbacks(mine)]``.
-        """
-        out: list[keras.callbacks.Callback] = []
-        if self.compression.auto and not self.exchange.pinned and not any(
-                isinstance(c, auto_exchange.AutoExchangeCallback) for c in callbacks):
-            out.append(auto_exchange.AutoExchangeCallback())
-        if self.compression.dense_steps and not any(
-                isinstance(c, dense_phase.DensePhaseCallback) for c in callbacks):
-            out.append(dense_phase.DensePhaseCallback())
-        if self.sync_every is not None and not any(
-                isinstance(c, local_steps.LocalStepsCallback) for c in callbacks):
-            out.append(local_steps.LocalStepsCallback())
-        return out
+        """See :meth:`ExchangeSchedule.fit_callbacks`."""
+        return self._schedule.fit_callbacks(callbacks)
 
     @property
     def exchange_chooser(self) -> auto_exchange.ExchangeChooser | None:
-        """The automatic exchange's per-group chooser (``None`` for a fixed exchange)."""
-        return None if self._auto is None else self._auto.chooser
+        """See :attr:`ExchangeSchedule.chooser`."""
+        return self._schedule.chooser
 
     @property
     def exchange_decision(self) -> ExchangeDecision | None:
-        """The automatic exchange's current choice and its measured inputs (else ``None``)."""
-        chooser = self.exchange_chooser
-        return None if chooser is None else chooser.decision
+        """See :attr:`ExchangeSchedule.decision`."""
+        return self._schedule.decision
 
     def compression_seconds(self) -> float:
-        """One replica's compression seconds per step with the exchange in use (its
-        sparsely exchanged groups timed locally, no collective; 0 for dense)."""
-        groups = self._group_indices()
-        chooser = self.exchange_chooser
-        modes = chooser.modes if chooser else [self.exchange] * len(groups)
-        sparse = [g for g, m in zip(groups, modes) if m != "dense"]
-        return auto_exchange.compression_seconds(
-            [self._compressor(g) for g in sparse], self._group_dtypes(sparse))
+        """See :meth:`ExchangeSchedule.compression_seconds`."""
+        return self._schedule.compression_seconds()
 
-    def _group_indices(self) -> list[list[int]]:
-        """Variable indices of every fusion group (one group without a fusion buffer)."""
-        plan = self.fusion_plan
-        if plan is None:
-            return [list(range(len(self._trainable_variables)))]
-        return [list(g.members) for g in plan.groups]
-
-    def _group_dtypes(self, groups: Sequence[Sequence[int]]) -> list[list[Any]]:
-        return [[self._trainable_variables[i].dtype for i in g] for g in groups]
-
-    # -- observability -------------------------------------------------------------------
     def block_sparse_metrics(self, mean: bool = False) -> dict[str, float]:
-        """Last step's figures, averaged over replicas (a collective under multi-worker).
-
-        Args:
-          mean: Instead of the last step's, the per-step figures (bytes, ``blocks_kept``,
-            ``residual_norm``, ``exchange_s``) as their means over the finite steps since
-            :meth:`reset_metric_means` (``BlockSparseMetrics`` resets at each epoch).
-
-        Returns:
-          ``payload_bytes`` and ``dense_bytes`` handed to collectives per replica,
-          ``blocks_kept``, ``residual_norm`` (in the selection metric), ``skipped_steps``
-          (the total since the optimizer was built in this process), ``exchange_s`` (the
-          wrapper's time in the last step: clipping, compression, collectives, inner apply)
-          and its running total ``exchange_s_total``; with ``exchange="auto"`` also the
-          decision's figures (``auto_*``, see
-          :meth:`~tf_blocksparse.planning.exchange_cost.ExchangeDecision.summary`); with
-          ``sync_every`` also ``syncs`` (exchanges so far) and ``outer_update_norm`` (the L2
-          norm of the last exchange's move of the weights).  With ``mean``, the bytes are
-          per training step, amortised over the window.
-        """
-        if not self.built:
-            return {}
-        out = step.stat_figures(self._stats.numpy(), mean)
-        if self.sync_every is not None:
-            out["syncs"] = float(self.outer_optimizer.iterations.numpy())
-            out["outer_update_norm"] = float(self._outer_norm.numpy())
-        if self.exchange_decision is not None:
-            out.update(self.exchange_decision.summary())
-        return out
+        """See :meth:`StepMetrics.figures`."""
+        return self._metrics.figures(mean)
 
     def reset_metric_means(self) -> None:
-        """Starts the means of ``block_sparse_metrics(mean=True)`` afresh (a local write on
-        each worker, no collective)."""
-        if self.built:
-            step.reset_sums(self._stats)
+        """See :meth:`StepMetrics.reset_means`."""
+        self._metrics.reset_means()
 
     # -- config --------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
-        policy = self.momentum_policy
-        return {
-            "name": self.name,
-            "inner": inner_optimizer.inner_config(
-                self.inner_optimizer, self._auto is not None and self._auto.inner_momentum),
-            "compression": self.compression.get_config(),
-            "momentum_correction": None if policy is None else policy.get_config(),
-            "clipping": [clipping_lib.rule_config(r) for r in self.clipping],
-            "nonfinite": self.nonfinite, "fusion_buffer_bytes": self.fusion_buffer_bytes,
-        } | ({"gradient_accumulation_steps": self.accumulation_steps}
-             if self.accumulation_steps > 1 else {}) | (
-            {"sync_every": self.sync_every,
-             "outer": keras.saving.serialize_keras_object(self.outer_optimizer)}
-            if self.sync_every is not None else {})
+        return wrapper_config(self, self._auto is not None and self._auto.inner_momentum)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None
                     ) -> BlockSparseOptimizer:
-        config = config_arguments(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner"),
-                                                      custom_objects=custom_objects)
-        if config.get("outer") is not None:
-            config["outer"] = keras.saving.deserialize_keras_object(
-                config["outer"], custom_objects=custom_objects)
+        inner, config = from_wrapper_config(config, custom_objects)
         return cls(inner, **config)
 
 

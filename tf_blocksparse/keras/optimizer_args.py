@@ -1,7 +1,13 @@
-"""Argument checks and small helpers of ``BlockSparseOptimizer``."""
+"""Argument checks and small helpers of ``BlockSparseOptimizer``.
+
+:func:`resolve_arguments` turns the constructor's arguments into :class:`WrapperArguments`
+(every check done before the inner optimizer changes); :func:`wrapper_config` and
+:func:`config_arguments` are the two directions of its Keras config.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -10,8 +16,11 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat
+from tf_blocksparse import clipping as clipping_lib
+from tf_blocksparse.keras import inner_optimizer, local_steps
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.options import (
+    AUTO,
     DEFAULT_DENSE_BELOW,
     NONFINITE,
     OPTION_NAMES,
@@ -169,6 +178,95 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
             momentum_correction, "all" if masking is _UNSET else masking)
     sparse = options.sparse and not options.keeps_every_block  # density=1.0 sends dense
     return options, None if policy is None else policy.resolve(inner, sparse)
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapperArguments:
+    """The resolved arguments of ``BlockSparseOptimizer`` (see :func:`resolve_arguments`).
+
+    Attributes:
+      compression: The compression options.
+      momentum: The resolved momentum policy (``None``: no local momentum).
+      clipping: The clipping rules.
+      accumulation_steps: Micro-steps per exchange (1: every step exchanges).
+      sync_every: Local steps per exchange (``None``: every step exchanges).
+      outer: The outer optimizer with ``sync_every`` (its default filled in), else ``None``.
+    """
+
+    compression: CompressionOptions
+    momentum: MomentumCorrection | None
+    clipping: tuple[Any, ...]
+    accumulation_steps: int
+    sync_every: int | None
+    outer: keras.optimizers.Optimizer | None
+
+
+def resolve_arguments(inner: keras.optimizers.Optimizer, compression: Any, *,
+                      momentum_correction: Any, clipping: Any, nonfinite: Any,
+                      fusion_buffer_bytes: Any, gradient_accumulation_steps: Any,
+                      sync_every: Any, outer: Any, options: dict[str, Any]
+                      ) -> WrapperArguments:
+    """Checks and resolves the arguments of ``BlockSparseOptimizer`` (named as there).
+
+    With ``sync_every`` the inner optimizer's momentum stays local (``momentum_correction``
+    defaults to ``None``) and the exchange defaults to ``"allgather"``.  The only change to
+    ``inner`` (an ``"auto"`` momentum moved) is made once every check passed.
+
+    Raises:
+      TypeError: ``inner`` or ``outer`` is not a Keras optimizer, or is a
+        ``LossScaleOptimizer``.
+      ValueError: Naming the bad argument or combination.
+    """
+    check_inner(inner)
+    every = check_step_arguments(nonfinite, fusion_buffer_bytes, gradient_accumulation_steps)
+    rules = clipping_lib.as_rules(clipping)
+    if sync_every is not None and momentum_correction == AUTO:
+        momentum_correction = None  # the inner optimizer's momentum stays local
+    if sync_every is not None and compression is None and "exchange" not in options:
+        options["exchange"] = "allgather"  # the automatic exchange times per-step syncs
+    compression, momentum = split_arguments(inner, compression, momentum_correction, options)
+    local_steps.check_local_steps(sync_every, outer, clipping=rules, accumulation_steps=every,
+                                  auto=compression.auto)
+    if sync_every is not None and momentum is not None:
+        raise ValueError("`momentum_correction` does not combine with `sync_every`: the "
+                         "inner optimizer's momentum stays local")
+    if sync_every is not None and outer is None:
+        outer = local_steps.default_outer(compression.sparse)
+    if outer is not None:
+        check_inner(outer)
+    return WrapperArguments(compression, momentum, rules, every, sync_every, outer)
+
+
+def wrapper_config(opt: Any, inner_momentum: bool) -> dict[str, Any]:
+    """The Keras config of the ``BlockSparseOptimizer`` ``opt`` (``inner_momentum``: the
+    inner SGD applies the local momentum to dense groups, see
+    :func:`~tf_blocksparse.keras.inner_optimizer.inner_config`)."""
+    policy = opt.momentum_policy
+    return {
+        "name": opt.name,
+        "inner": inner_optimizer.inner_config(opt.inner_optimizer, inner_momentum),
+        "compression": opt.compression.get_config(),
+        "momentum_correction": None if policy is None else policy.get_config(),
+        "clipping": [clipping_lib.rule_config(r) for r in opt.clipping],
+        "nonfinite": opt.nonfinite, "fusion_buffer_bytes": opt.fusion_buffer_bytes,
+    } | ({"gradient_accumulation_steps": opt.accumulation_steps}
+         if opt.accumulation_steps > 1 else {}) | (
+        {"sync_every": opt.sync_every,
+         "outer": keras.saving.serialize_keras_object(opt.outer_optimizer)}
+        if opt.sync_every is not None else {})
+
+
+def from_wrapper_config(config: Mapping[str, Any], custom_objects: Any = None
+                        ) -> tuple[keras.optimizers.Optimizer, dict[str, Any]]:
+    """The inner optimizer and the other constructor arguments of a
+    ``BlockSparseOptimizer`` config (see :func:`config_arguments`)."""
+    config = config_arguments(config)
+    inner = keras.saving.deserialize_keras_object(config.pop("inner"),
+                                                  custom_objects=custom_objects)
+    if config.get("outer") is not None:
+        config["outer"] = keras.saving.deserialize_keras_object(
+            config["outer"], custom_objects=custom_objects)
+    return inner, config
 
 
 @tf.autograph.experimental.do_not_convert

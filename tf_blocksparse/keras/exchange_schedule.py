@@ -1,0 +1,188 @@
+"""Which variables ``BlockSparseOptimizer`` exchanges together, and with which mode.
+
+One :class:`ExchangeSchedule` per optimizer (a component it owns) holds the parts of the
+exchange that are decided outside the step's math: the fusion groups (``fusion_buffer_bytes``,
+contiguous in backward order, see :mod:`tf_blocksparse.planning.fusion`), the modes that
+change in training (``exchange="auto"`` and a dense phase, through
+:class:`~tf_blocksparse.auto.auto_runtime.AutoExchangeRuntime`), and the callbacks
+``model.fit`` needs for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_blocksparse.auto import auto_exchange
+from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
+from tf_blocksparse.distribute.forward_order import backward_ranks
+from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.keras import dense_phase, local_steps
+from tf_blocksparse.keras import optimizer_step as step
+from tf_blocksparse.planning.exchange_cost import ExchangeDecision
+from tf_blocksparse.planning.fusion import FusionPlan
+
+__all__ = ["ExchangeSchedule"]
+
+
+class ExchangeSchedule:
+    """The fusion groups and exchange modes of one optimizer.
+
+    Args:
+      owner: The ``BlockSparseOptimizer`` (its ``compression``, ``exchange`` and
+        ``fusion_buffer_bytes`` are read; created once its ``compression``,
+        ``momentum_policy`` and ``inner_optimizer`` are set).
+      compressor: The owner's compressor over a list of variable indices.
+
+    Attributes:
+      auto: The :class:`~tf_blocksparse.auto.auto_runtime.AutoExchangeRuntime` with a
+        changing exchange (``exchange="auto"``, or ``dense_steps`` with a sparse one), else
+        ``None``.
+      backward_ranks: Each variable's rank in backward order, from the owner's ``model``
+        (with ``fusion_buffer_bytes``, once built), else ``None``.
+    """
+
+    def __init__(self, owner: Any, compressor: Callable[[Sequence[int]], BlockTopK]):
+        self._owner = owner
+        self._compressor = compressor
+        self._variables: list[Any] = []
+        compression = owner.compression
+        changing = compression.auto or (compression.dense_steps and compression.sparse)
+        self.auto = AutoExchangeRuntime(owner) if changing else None
+        self.backward_ranks: list[int] | None = None
+
+    def build(self, var_list: Sequence[Any], model: Any) -> None:
+        """Orders the variables for fusion (before the owner's Keras build)."""
+        self.backward_ranks = (backward_ranks(model, var_list)
+                               if self._owner.fusion_buffer_bytes is not None else None)
+
+    def bind(self, strategy: tf.distribute.Strategy, variables: Sequence[Any]) -> None:
+        """Keeps the owner's trainable ``variables`` (after its Keras build) and builds the
+        automatic exchange over their fusion groups under ``strategy``."""
+        self._variables = list(variables)
+        if self.auto is not None:
+            groups = self.group_indices()
+            self.auto.build(strategy, self._variables, groups,
+                            [self._compressor(g) for g in groups], self.group_dtypes(groups))
+
+    # -- the step's groups ---------------------------------------------------------------
+    def exchange_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
+                        ) -> tuple[list[list[int]], Any]:
+        """The step's exchange units (positions of ``grads``, of variables ``idx``) and their
+        mode(s): the fusion groups in backward order (one group without
+        ``fusion_buffer_bytes``); with a changing exchange, adjacent groups of one mode
+        share one set of collectives."""
+        buffer = self._owner.fusion_buffer_bytes
+        if buffer is None:
+            groups = [list(range(len(grads)))]
+        else:
+            plan = step.fusion_plan(grads, idx, self.backward_ranks, buffer)
+            groups = [list(group.members) for group in plan.groups]
+        if self.auto:
+            return self.auto.exchange_groups(groups, idx)
+        return groups, self._owner.exchange
+
+    @property
+    def fusion_plan(self) -> FusionPlan | None:
+        """The plan over every built variable (members = variable indices), or ``None``."""
+        owner = self._owner
+        if owner.fusion_buffer_bytes is None or not owner.built:
+            return None
+        specs = [tf.TensorSpec(v.shape, v.dtype) for v in self._variables]
+        return step.fusion_plan(specs, range(len(specs)), self.backward_ranks,
+                                owner.fusion_buffer_bytes)
+
+    def group_indices(self) -> list[list[int]]:
+        """Variable indices of every fusion group (one group without a fusion buffer)."""
+        plan = self.fusion_plan
+        if plan is None:
+            return [list(range(len(self._variables)))]
+        return [list(g.members) for g in plan.groups]
+
+    def group_dtypes(self, groups: Sequence[Sequence[int]]) -> list[list[Any]]:
+        """The dtypes of the variables of each of ``groups`` (variable indices)."""
+        return [[self._variables[i].dtype for i in g] for g in groups]
+
+    # -- automatic exchange and dense phase ----------------------------------------------
+    def measure(self, compute_s: float | None = None) -> ExchangeDecision | None:
+        """Measures the cluster and re-decides ``exchange="auto"`` (every worker must call
+        it, eagerly in cross-replica context; re-trace the step afterwards).
+
+        Args:
+          compute_s: Measured seconds per step outside the exchange (``None``: not known,
+            the policy's ``compute_prior`` times the compression time is assumed).
+
+        Raises:
+          ValueError: No automatic exchange, or not called eagerly in cross-replica context.
+        """
+        if self.auto is None:
+            raise ValueError("measure_exchange() needs a built optimizer with exchange='auto'")
+        return self.auto.measure(compute_s)
+
+    @property
+    def in_dense_phase(self) -> bool:
+        """Whether the step is still traced as the dense exchange (``dense_steps``, see
+        :mod:`~tf_blocksparse.keras.dense_phase`)."""
+        return self.auto is not None and self.auto.dense_phase
+
+    def update_dense_phase(self) -> bool:
+        """Ends the dense phase once ``iterations`` reach ``dense_steps``: moves the state
+        (every worker must call it, eagerly in cross-replica context, between steps).
+
+        Returns:
+          Whether it ended now; then re-trace the step (``model.fit`` does, see
+          :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback`).
+        """
+        owner = self._owner
+        if not self.in_dense_phase or not owner.built or \
+                int(owner.iterations.numpy()) < owner.compression.dense_steps:
+            return False
+        return self.auto.end_dense_phase()
+
+    @property
+    def chooser(self) -> auto_exchange.ExchangeChooser | None:
+        """The automatic exchange's per-group chooser (``None`` for a fixed exchange)."""
+        return None if self.auto is None else self.auto.chooser
+
+    @property
+    def decision(self) -> ExchangeDecision | None:
+        """The automatic exchange's current choice and its measured inputs (else ``None``)."""
+        chooser = self.chooser
+        return None if chooser is None else chooser.decision
+
+    def compression_seconds(self) -> float:
+        """One replica's compression seconds per step with the exchange in use (its
+        sparsely exchanged groups timed locally, no collective; 0 for dense)."""
+        groups = self.group_indices()
+        chooser = self.chooser
+        modes = chooser.modes if chooser else [self._owner.exchange] * len(groups)
+        sparse = [g for g, m in zip(groups, modes) if m != "dense"]
+        return auto_exchange.compression_seconds(
+            [self._compressor(g) for g in sparse], self.group_dtypes(sparse))
+
+    def fit_callbacks(self, callbacks: Sequence[keras.callbacks.Callback] = ()
+                      ) -> list[keras.callbacks.Callback]:
+        """The callbacks ``model.fit`` needs for the owner that ``callbacks`` lacks: an
+        :class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback` with
+        ``exchange="auto"`` and a choice (two or more candidates), a
+        :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback` with ``dense_steps``,
+        a :class:`~tf_blocksparse.keras.local_steps.LocalStepsCallback` with ``sync_every``.
+
+        ``model.fit`` adds them by itself (:mod:`~tf_blocksparse.keras.fit_loop`); a loop
+        that builds its own ``CallbackList`` passes ``[*mine, *opt.fit_callbacks(mine)]``.
+        """
+        owner = self._owner
+        out: list[keras.callbacks.Callback] = []
+        if owner.compression.auto and not owner.exchange.pinned and not any(
+                isinstance(c, auto_exchange.AutoExchangeCallback) for c in callbacks):
+            out.append(auto_exchange.AutoExchangeCallback())
+        if owner.compression.dense_steps and not any(
+                isinstance(c, dense_phase.DensePhaseCallback) for c in callbacks):
+            out.append(dense_phase.DensePhaseCallback())
+        if owner.sync_every is not None and not any(
+                isinstance(c, local_steps.LocalStepsCallback) for c in callbacks):
+            out.append(local_steps.LocalStepsCallback())
+        return out
