@@ -29,6 +29,8 @@ def test_every_method_is_a_valid_train_command_line(method: str):
         assert fv.compression == "dense" and fv.k is None and fv.density is None
     elif method.startswith("topk"):
         assert fv.compression == "topk" and fv.density in (0.05, 0.01)
+    elif method == "local_dense":  # DiLoCo: a dense exchange of the progress
+        assert fv.compression == "dense" and fv.sync_every == 32
     else:
         assert fv.compression == "block"
 

@@ -225,7 +225,8 @@ def test_failing_worker_removes_namespaces():
     text = out.getvalue()
     assert rc == 3, text
     prefix = _prefix_of(text)
-    hosts = re.search(r"\[worker 0\] HOSTS (.*)", text).group(1)
+    # worker 1 printed before failing; worker 0 may be stopped before it prints (under load)
+    hosts = re.search(r"\[worker \d\] HOSTS (.*)", text).group(1)
     assert "localhost" not in hosts and re.search(r"'10\.213\.\d+\.1:\d+'", hosts), hosts
     assert _existing(prefix) == []
 
