@@ -39,7 +39,7 @@ import json
 import os
 import statistics
 
-from absl import flags
+from absl import app, flags
 
 from launch import experiments, runtime, script
 from launch import flags as train_flags
@@ -57,8 +57,9 @@ def define_flags() -> None:
         f"--methods must be a non-empty list of {sorted(experiments.METHODS)}")
     flags.register_validator("models", lambda m: experiments.known_methods(
         m, train_flags.MODELS), f"--models must be a non-empty list of {train_flags.MODELS}")
-    flags.DEFINE_string("convergence", "benchmarks/results/convergence.json",
-                        "launch.bench_convergence's results (curves, budget).")
+    flags.DEFINE_list("convergence", ["benchmarks/results/convergence.json"],
+                      "launch.bench_convergence's results (curves, budget): PATH for every "
+                      "model, MODEL=PATH for one model's (e.g. a longer budget's file).")
     flags.DEFINE_float("target_drop", 0.003, "Target = dense's converged mean minus this.")
     flags.DEFINE_integer("num_workers", 4, "Worker processes of the shaped cluster.")
     flags.DEFINE_integer("timing_steps", 40, "Steps per epoch of the timing runs.",
@@ -198,6 +199,45 @@ def load_curves(path: str) -> tuple[dict, dict]:
     return curves, doc["budget"]
 
 
+#: Budget entries that differ per model (the rest must agree across the files).
+_PER_MODEL = ("epochs", "lr_by_model", "rule", "converged")
+
+
+def load_convergence(entries: list[str]) -> tuple[dict, dict, dict]:
+    """Curves and budgets of ``--convergence``: ``PATH`` for every model, ``MODEL=PATH``
+    for one model's curves (a later entry for a model replaces an earlier one).
+
+    Returns:
+      ``(curves, budgets, files)``: ``{(model, method): {seed: curve}}``,
+      ``{model: budget}`` and ``{model: path}``.
+
+    Raises:
+      ValueError: A file's shared budget (batch, schedule, dataset, ...) differs from the
+        first file's, naming ``--convergence``.
+    """
+    curves: dict = {}
+    budgets: dict = {}
+    files: dict = {}
+    shared = None
+    for entry in entries:
+        only, _, path = entry.rpartition("=")
+        file_curves, budget = load_curves(path)
+        common = {k: v for k, v in budget.items() if k not in _PER_MODEL}
+        if shared is None:
+            shared = common
+        elif common != shared:
+            raise ValueError(f"--convergence: {path}'s budget {common} differs from "
+                             f"{shared} outside {_PER_MODEL}")
+        for model in budget.get("epochs", {}):
+            if only and model != only:
+                continue
+            budgets[model], files[model] = budget, path
+            for key in [k for k in curves if k[0] == model]:
+                del curves[key]
+            curves.update({k: v for k, v in file_curves.items() if k[0] == model})
+    return curves, budgets, files
+
+
 def _train_args(model: str, budget: dict, epochs: int, steps: int, seed: int) -> list[str]:
     return [f"--model={model}", f"--dataset={budget['dataset']}", f"--epochs={epochs}",
             f"--steps_per_epoch={steps}", f"--batch_size={budget['global_batch']}",
@@ -210,18 +250,23 @@ def _train_args(model: str, budget: dict, epochs: int, steps: int, seed: int) ->
 def main(argv: list[str]) -> None:
     script.require_root(argv)
     f = FLAGS
-    curves, budget = load_curves(f.convergence)
+    curves, budgets, files = load_convergence(f.convergence)
+    missing = [m for m in f.models if m not in budgets]
+    if missing:
+        raise app.UsageError(f"--models {missing} have no curves in --convergence "
+                             f"{f.convergence}")
+    budget = next(iter(budgets.values()))
     rates = [float(r) for r in f.bandwidths_mbit]
     path = os.path.join(f.out, "time_to_accuracy.json")
     setup = {"num_workers": f.num_workers, "timing_steps": f.timing_steps,
              "timing_epochs": f.timing_epochs, "density": f.density,
-             "convergence_budget": {k: v for k, v in budget.items()
-                                    if k not in ("epochs", "lr_by_model", "rule", "converged")}}
-    old, old_checks = {}, {}
+             "convergence_budget": {k: v for k, v in budget.items() if k not in _PER_MODEL}}
+    old, old_checks, prev_sources = {}, {}, {}
     if f.resume and os.path.exists(path):
         with open(path) as fh:
             prev = json.load(fh)
         if prev.get("budget", {}).get("setup") == setup:
+            prev_sources = prev["budget"].get("convergence", {})
             old = {(t["model"], t["bandwidth_mbit"], t["method"]): t for t in prev["timings"]}
             old_checks = {c["run"]: c for c in prev.get("checks", [])}
     timings, runs = {}, []
@@ -235,9 +280,10 @@ def main(argv: list[str]) -> None:
                     runs.append(old[key])
                     continue
                 rec = experiments.run_training(
-                    method, _train_args(model, budget, f.timing_epochs, f.timing_steps, 0),
+                    method, _train_args(model, budgets[model], f.timing_epochs,
+                                        f.timing_steps, 0),
                     f.num_workers, f.density, bandwidth_mbit=rate, timeout_s=3600)
-                full_steps = full_steps or _full_steps(model, budget, f.num_workers)
+                full_steps = full_steps or _full_steps(model, budgets[model], f.num_workers)
                 timings[key] = epoch_parts(rec, full_steps)
                 timings[key]["curves_of"] = curves_of(method, rec)
                 timings[key]["auto_modes"] = rec.get("auto_modes")
@@ -260,10 +306,14 @@ def main(argv: list[str]) -> None:
                                         f.target_drop)
     checks = [old_checks[entry] if entry in old_checks and
               old_checks[entry]["target"] == targets.get(entry.split(":")[0])
-              else _check(entry, curves, timings, targets, budget, f) for entry in f.check]
+              else _check(entry, curves, timings, targets, budgets, f) for entry in f.check]
     checks += [c for entry, c in old_checks.items()  # earlier checks at the same targets
                if entry not in f.check and c["target"] == targets.get(entry.split(":")[0])]
-    doc = {"budget": {"setup": setup, "targets": targets,
+    known = {m: {"file": p, "epochs": budgets[m]["epochs"][m]} for m, p in files.items()
+             if m in targets}
+    for model, entry in prev_sources.items():  # models composed by earlier runs of the bench
+        known.setdefault(model, entry)
+    doc = {"budget": {"setup": setup, "targets": targets, "convergence": known,
                       "target_rule": f"dense's converged mean test accuracy (rule: "
                                      f"{budget.get('rule')}) minus {f.target_drop * 100:.1f} "
                                      f"points"},
@@ -287,9 +337,11 @@ def _full_steps(model: str, budget: dict, num_workers: int) -> int:
     return inputs.steps_per_epoch(arrays, budget["global_batch"], num_workers)
 
 
-def _check(entry: str, curves: dict, timings: dict, targets: dict, budget: dict, f) -> dict:
+def _check(entry: str, curves: dict, timings: dict, targets: dict, budgets: dict,
+           f) -> dict:
     """Trains ``MODEL:RATE:METHOD:SEED`` directly to the target; composed vs measured."""
     model, rate, method, seed = entry.split(":")
+    budget = budgets[model]
     rate_f, seed_i = float(rate), int(seed)
     target = targets[model]
     epochs = budget["epochs"][model]

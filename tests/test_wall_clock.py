@@ -63,3 +63,32 @@ def test_compose_takes_the_groups_that_were_timed():
                                ["dense", "block"], 0.003)
     assert [(r["bandwidth_mbit"], r["method"]) for r in summary] == [
         (30.0, "dense"), (30.0, "block"), (300.0, "dense")]
+
+
+def _convergence_file(tmp_path, name: str, epochs: int, curve: list[float], **budget) -> str:
+    import json
+
+    doc = {"budget": {"dataset": "fashion_mnist", "global_batch": 128, "lr": 0.05,
+                      "epochs": {"m": epochs, "n": epochs}, "lr_by_model": {}, **budget},
+           "runs": [{"model": model, "method": "dense", "flags": {"seed": 0},
+                     "history": {"val_accuracy": curve}} for model in ("m", "n")]}
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_a_model_may_take_its_curves_from_a_longer_budget_file(tmp_path):
+    short = _convergence_file(tmp_path, "short.json", 2, [0.5, 0.8])
+    long = _convergence_file(tmp_path, "long.json", 3, [0.5, 0.8, 0.9])
+    curves, budgets, files = bw.load_convergence([short, f"m={long}"])
+    assert curves[("m", "dense")] == {0: [0.5, 0.8, 0.9]}  # m from the longer budget
+    assert curves[("n", "dense")] == {0: [0.5, 0.8]}
+    assert budgets["m"]["epochs"]["m"] == 3 and budgets["n"]["epochs"]["n"] == 2
+    assert files == {"m": long, "n": short}
+
+
+def test_files_with_another_shared_budget_are_refused(tmp_path):
+    short = _convergence_file(tmp_path, "short.json", 2, [0.5, 0.8])
+    other = _convergence_file(tmp_path, "other.json", 3, [0.5, 0.8, 0.9], global_batch=64)
+    with pytest.raises(ValueError, match="--convergence"):
+        bw.load_convergence([short, f"m={other}"])
