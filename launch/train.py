@@ -21,7 +21,6 @@ from absl import app, flags
 from launch import callbacks as cb
 from launch import runtime, script
 from launch.flags import define_flags, flag_names
-from tf_blocksparse import _compat
 
 FLAGS = flags.FLAGS
 
@@ -126,7 +125,7 @@ def run(argv_flags=FLAGS) -> dict:
     import tf_blocksparse as tfbs
     from launch import inputs
     from models import registry
-    from tf_blocksparse.keras.backup import save_model
+    from tf_blocksparse.keras.backup import initial_epoch, save_model
     from tf_blocksparse.keras.evaluation import ExactValidation, evaluate_exactly
 
     f = argv_flags
@@ -230,7 +229,7 @@ def run(argv_flags=FLAGS) -> dict:
         "test_examples": results.examples, "test_correct": results.correct,
         "test_counted": results.counted,
         "epochs": f.epochs, "epochs_trained": len(clock.train_s),
-        "initial_epoch": _compat.resumed_epoch(model),
+        "initial_epoch": initial_epoch(model),
         "steps": int(opt.iterations.numpy()), "steps_per_epoch": steps,
         "wall_s": round(wall, 2), "payload_bytes_per_step": int(m["payload_bytes"]),
         "dense_bytes_per_step": int(m["dense_bytes"]),
