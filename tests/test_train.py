@@ -52,6 +52,8 @@ def test_flags_parse_and_validate():
     (["--compression=dense", "--dense_below=0"], "--dense_below"),
     (["--compression=dense", "--momentum_masking=none"], "--momentum_masking"),
     (["--compression=dense", "--quantize=int8"], "--quantize"),
+    (["--compression=dense", "--exchange=allgather"], "--exchange"),
+    (["--compression=dense", "--metric=l2"], "--metric"),
     (["--outer_momentum=0.9"], "--outer_momentum"),
     (["--num_devices=0"], "num_devices"),
     (["--lr=0"], "--lr"),
