@@ -108,7 +108,7 @@ from launch.clipping_variants import (
     make_optimizer,
 )
 from models.registry import build_image_model
-from tf_blocksparse import _compat
+from tf_blocksparse.distribute.strategy import cross_device_ops
 from tf_blocksparse.planning.fusion import plan_backward
 
 FLAGS = flags.FLAGS
@@ -305,7 +305,7 @@ def run(model: str = "resnet20", image_size: int = 32, batch: int = 16, warmup: 
         "config": {
             "model": model, "image_size": image_size, "batch_per_replica": batch,
             "replicas": strategy.num_replicas_in_sync, "devices": devices,
-            "cross_device_ops": type(_compat.strategy_cross_device_ops(strategy)).__name__,
+            "cross_device_ops": type(cross_device_ops(strategy)).__name__,
             "variables": n_vars, "gradient_bytes": grad_bytes, "buffer_bytes": buffer_bytes,
             "threshold": threshold,
             "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),

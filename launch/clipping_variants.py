@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import tensorflow as tf
 
-from tf_blocksparse import BlockSparseOptimizer, _compat
-from tf_blocksparse.clipping import LocalNormClip
+from tf_blocksparse import BlockSparseOptimizer
+from tf_blocksparse.clipping import LocalNormClip, clip_after_all_reduce
 
 LEARNING_RATE = 0.05
 MOMENTUM = 0.9
@@ -41,9 +40,9 @@ DESCRIPTIONS = {
 class ReduceThenClipSGD(keras.optimizers.SGD):
     """SGD that clips the global norm of the *all-reduced* gradients.
 
-    Keras clips (``clipnorm`` / ``global_clipnorm``) before its all-reduce; this hooks the
-    all-reduce (through :func:`tf_blocksparse._compat.after_gradient_all_reduce`) and clips
-    its result, so every replica clips the same aggregated gradient.
+    Keras clips (``clipnorm`` / ``global_clipnorm``) before its all-reduce; this clips its
+    result (:func:`tf_blocksparse.clipping.clip_after_all_reduce`), so every replica clips
+    the same aggregated gradient.
 
     Args:
         clip_norm: Global-norm threshold of the aggregated gradients.
@@ -53,14 +52,7 @@ class ReduceThenClipSGD(keras.optimizers.SGD):
     def __init__(self, clip_norm: float, **kwargs: Any):
         super().__init__(**kwargs)
         self.clip_norm = float(clip_norm)
-        _compat.after_gradient_all_reduce(self, self._clip_reduced)
-
-    def _clip_reduced(self, pairs: list) -> list:
-        kept = [i for i, (g, _) in enumerate(pairs) if g is not None]
-        clipped, _ = tf.clip_by_global_norm([pairs[i][0] for i in kept], self.clip_norm)
-        for i, g in zip(kept, clipped):
-            pairs[i] = (g, pairs[i][1])
-        return pairs
+        clip_after_all_reduce(self, self.clip_norm)
 
 
 def make_optimizer(variant: str, threshold: float, buffer_bytes: int

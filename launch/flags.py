@@ -4,9 +4,17 @@
 the fault-injection flags of the tests (:mod:`launch.testing_flags`) stay out of ``--help``
 (``--helpfull`` shows them).  Nothing here imports TensorFlow or Keras: ``--help`` and a
 flag error answer at once.
+
+They are the one place of the training settings' names, defaults and rules: a
+:class:`launch.config.TrainConfig` is read from parsed flags, and checks itself by parsing
+the command line it renders (:func:`parse`).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
 
 from absl import flags
 
@@ -26,14 +34,18 @@ def _valid_densities(values: list[str]) -> bool:
 
 
 _SPARSE_ONLY = ("k", "density", "density_warmup", "dense_below", "momentum_masking",
-                "quantize")
+                "quantize", "exchange", "metric")
+
+
+#: Flags with a default that ``--compression=dense`` takes only at that default.
+_SPARSE_CHOICES = {"quantize": "none", "exchange": AUTO_EXCHANGE, "metric": "l1"}
 
 
 def _dense_takes_no_sparse_options(values: dict) -> bool:
     if values["compression"] != "dense":
         return True
-    return all(values[name] in (None, []) or (name == "quantize" and values[name] == "none")
-               for name in _SPARSE_ONLY)
+    return all(values[name] == _SPARSE_CHOICES[name] if name in _SPARSE_CHOICES
+               else values[name] in (None, []) for name in _SPARSE_ONLY)
 
 
 def _valid_shape(values: list[str]) -> bool:
@@ -45,9 +57,47 @@ def _valid_shape(values: list[str]) -> bool:
 
 def flag_names() -> list[str]:
     """The names of the flags :func:`define_flags` defines, sorted."""
-    scratch = flags.FlagValues()
-    define_flags(scratch)
-    return sorted(scratch)
+    return sorted(defaults())
+
+
+def parse(args: Sequence[str]) -> flags.FlagValues:
+    """The training flags of a fresh ``FlagValues``, set from ``args`` and validated.
+
+    Args:
+      args: Flags only (``["--model=vgg_fc", "--k=2"]``), no program name.
+
+    Raises:
+      flags.Error: An unknown flag, a bad value or combination (the message names the
+        flag), or an argument that is not a flag.
+    """
+    values = flags.FlagValues()
+    define_flags(values)
+    rest = values(["launch.train", *args])
+    if len(rest) > 1:
+        raise flags.Error(f"not flags: {rest[1:]}")
+    return values
+
+
+def flag_text(name: str, value: Any) -> str:
+    """``--name=value`` as a command line gives it: ``--name`` / ``--noname`` for a boolean,
+    a list comma-separated."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no{name}"
+    if isinstance(value, list):
+        return f"--{name}={','.join(value)}"
+    return f"--{name}={value}"
+
+
+@functools.cache
+def _default_items() -> tuple[tuple[str, Any], ...]:
+    values = parse([])
+    return tuple((name, values[name].value) for name in sorted(values))
+
+
+def defaults() -> dict[str, Any]:
+    """Every training flag's default value as absl holds it (a list flag as a list of
+    strings), by name, sorted."""
+    return {name: list(v) if isinstance(v, list) else v for name, v in _default_items()}
 
 
 def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -93,9 +143,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("k", None, "Blocks kept per variable per step (default 1).", **fv)
     flags.DEFINE_float("density", None, "Fraction of blocks (elements for topk) kept per "
                        "variable; exclusive with --k. topk defaults to 0.01.", **fv)
-    flags.DEFINE_enum("metric", "l1", list(METRICS), "Block score.", **fv)
+    flags.DEFINE_enum("metric", "l1", list(METRICS), "Block score (block and topk only).",
+                      **fv)
     flags.DEFINE_enum("exchange", AUTO_EXCHANGE, [*SPARSE_EXCHANGES, AUTO_EXCHANGE],
-                      "Exchange mode (ignored for --compression=dense); auto (the library's "
+                      "Exchange mode (block and topk only); auto (the library's "
                       "default): per fusion group dense or sparse, whichever a cost model "
                       "of measured link and compression times predicts fastest to "
                       "accuracy; allgather / shared always compress.", **fv)
@@ -202,8 +253,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.register_multi_flags_validator(
         ["compression", *_SPARSE_ONLY], _dense_takes_no_sparse_options,
         "--compression=dense sends every gradient whole: --k, --density, --density_warmup, "
-        "--quantize, "
-        "--dense_below and --momentum_masking apply only to --compression=block or topk", **fv)
+        "--quantize, --dense_below, --momentum_masking, --exchange and --metric apply only to "
+        "--compression=block or topk", **fv)
     flags.register_multi_flags_validator(
         ["save_freq", "model_dir"], lambda f: not f["save_freq"] or f["model_dir"],
         "--save_freq needs --model_dir (the backups go to MODEL_DIR/backup)", **fv)

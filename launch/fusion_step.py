@@ -15,8 +15,8 @@ import tensorflow as tf
 from launch import runtime
 from launch.fusion_plans import MIB, model_execution_order, tensor_specs
 from models.registry import build_image_model
-from tf_blocksparse import _compat
 from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
+from tf_blocksparse.distribute.strategy import cross_device_ops
 from tf_blocksparse.planning import FusionPlan, plan_balanced, plan_tf_group_by_size
 
 #: The gradient reductions the step is timed with.
@@ -116,7 +116,7 @@ def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_s
     return {
         "model": model_name, "image_size": image_size, "batch_per_replica": batch,
         "replicas": strategy.num_replicas_in_sync,
-        "cross_device_ops": type(_compat.strategy_cross_device_ops(strategy)).__name__,
+        "cross_device_ops": type(cross_device_ops(strategy)).__name__,
         "variables": len(specs), "total_bytes": sum(s.nbytes for s in specs),
         "buffer_bytes": pack_bytes, "warmup": warmup, "repeats": repeats,
         "update": UPDATE_NOTE,

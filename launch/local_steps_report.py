@@ -91,7 +91,7 @@ def main(argv: list[str]) -> None:
     doc = {
         "budget": {"convergence": convergence["budget"],
                    "wall_clock": None if wall is None else wall["budget"],
-                   "methods": {m: experiments.METHODS[m] for m in REPORT_METHODS}},
+                   "methods": {m: experiments.method_flags(m) for m in REPORT_METHODS}},
         "summary": summary_rows(convergence, wall),
         "runs": [r for r in convergence["runs"] if r["method"] in REPORT_METHODS],
     }

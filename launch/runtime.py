@@ -1,4 +1,5 @@
-"""What the launch scripts share at run time: logical CPU devices, timers, machine facts.
+"""What the launch scripts share at run time: a distribution strategy, logical CPU devices,
+timers, machine facts.
 
 TensorFlow is imported only inside the functions that need it.
 """
@@ -44,6 +45,42 @@ def logical_cpus(count: int, skip_on_gpu: bool = False) -> None:
         if len(tf.config.list_logical_devices("CPU")) < count:
             raise RuntimeError(f"need {count} logical CPUs; configure them before TensorFlow "
                                "initialises its devices") from err
+
+
+def make_strategy(name: str, num_devices: int = 2) -> Any:
+    """The ``tf.distribute`` strategy of ``launch.train --strategy``.
+
+    Args:
+        name: ``"multiworker"``: the library's ``MultiWorkerMirroredStrategy`` over the
+            cluster of ``TF_CONFIG`` (or, without it, SLURM's environment);
+            ``"mirrored"``: ``MirroredStrategy`` over ``num_devices`` local GPUs, or as many
+            logical CPUs on a machine without GPUs; anything else: the default strategy.
+        num_devices: Local devices of ``"mirrored"``.
+
+    Raises:
+        app.UsageError: ``"mirrored"`` asks for more GPUs than the machine has.
+    """
+    import tensorflow as tf
+
+    import tf_blocksparse as tfbs
+
+    if name == "multiworker":
+        resolver = None
+        if "TF_CONFIG" not in os.environ and "SLURM_JOB_ID" in os.environ:
+            resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
+        return tfbs.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    if name == "mirrored":
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus and num_devices > len(gpus):
+            from absl import app
+
+            raise app.UsageError(f"--num_devices={num_devices}: this machine has only "
+                                 f"{len(gpus)} GPUs")
+        if gpus:
+            return tf.distribute.MirroredStrategy([f"/gpu:{i}" for i in range(num_devices)])
+        logical_cpus(num_devices)
+        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(num_devices)])
+    return tf.distribute.get_strategy()
 
 
 def fetch(out: Any) -> Any:

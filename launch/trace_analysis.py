@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from tf_blocksparse import _compat
+from tf_blocksparse.timing import load_trace
 
 BACKWARD_RULE = ("op name has a 'gradient_tape' or 'gradients' scope component, or op type "
                  "contains 'Backprop' or ends with 'Grad'")
@@ -51,11 +51,7 @@ def read_op_events(logdir: str) -> list[OpEvent]:
     paths = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))
     if not paths:
         raise RuntimeError(f"no *.xplane.pb under {logdir}/plugins/profile")
-    xplane_pb2 = _compat.xplane_proto()
-
-    space = xplane_pb2.XSpace()
-    with open(paths[-1], "rb") as f:
-        space.ParseFromString(f.read())
+    space = load_trace(paths[-1])
     hosts = [p for p in space.planes if p.name == "/host:CPU"]
     if not hosts:
         raise RuntimeError(f"no /host:CPU plane in {paths[-1]}")

@@ -12,6 +12,8 @@
 - The package's import graph (imports inside functions included) has no cycle.
 - Private TensorFlow / Keras APIs (``keras.src``, ``tf.__internal__``, ``tensorflow.python``,
   underscore attributes of other objects) are used only in ``tf_blocksparse/_compat.py``.
+- The repository's scripts (``launch/``) do not import ``tf_blocksparse._compat``: what they
+  need of it the library offers as a public function.
 """
 
 from __future__ import annotations
@@ -194,6 +196,41 @@ def test_private_apis_only_through_compat(path):
 
 def test_the_private_api_check_can_fail():
     assert _private_uses(COMPAT), "the check finds nothing even in _compat"
+
+
+COMPAT_MODULE = "tf_blocksparse._compat"
+LAUNCH_PY = sorted((ROOT / "launch").rglob("*.py"))
+
+
+def _compat_imports(tree: ast.AST) -> list[str]:
+    """The statements of ``tree`` (anywhere, functions included) that import the private
+    hooks: ``import tf_blocksparse._compat``, ``from tf_blocksparse import _compat`` or
+    ``from tf_blocksparse._compat import ...`` (a relative import counts only inside the
+    package, which the scripts are not)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names
+                      if _under(a.name, (COMPAT_MODULE,))]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            if _under(node.module, (COMPAT_MODULE,)) or any(
+                    _under(n, (COMPAT_MODULE,)) for n in names):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("path", LAUNCH_PY, ids=_rel)
+def test_launch_scripts_do_not_import_compat(path):
+    found = _compat_imports(ast.parse(path.read_text()))
+    assert not found, f"{_rel(path)} imports {COMPAT_MODULE} (use a public function): {found}"
+
+
+def test_the_compat_import_check_can_fail():
+    sources = ["from tf_blocksparse import _compat", "import tf_blocksparse._compat as c",
+               "def f():\n    from tf_blocksparse._compat import resumed_epoch"]
+    assert all(_compat_imports(ast.parse(src)) for src in sources)
+    assert not _compat_imports(ast.parse("from tf_blocksparse import timing, compat_x"))
 
 
 def _module_name(path: pathlib.Path) -> str:

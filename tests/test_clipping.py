@@ -376,3 +376,20 @@ def test_first_exchange_collective_does_not_wait_for_the_first_layer(mirrored2):
     graph = _graph_of_step(mirrored2, fusion_buffer_bytes=None)
     collectives, first_grads = _collectives_and_first_layer_grads(graph)
     assert collectives and all(first_grads & _ancestors(c) for c in collectives)
+
+
+def test_clip_after_all_reduce_clips_the_summed_gradients(mirrored2):
+    """A plain SGD clips the replicas' sum ([3, 4] + [3, 4] = [6, 8], norm 10) to norm 5, so
+    both replicas apply [3, 4]; Keras' global_clipnorm would clip each [3, 4] (norm 5) not at
+    all and apply [6, 8]."""
+    g = np.array([3.0, 4.0], "float32")
+    with mirrored2.scope():
+        var = keras.Variable(np.zeros((2,), "float32"))
+        opt = keras.optimizers.SGD(1.0)
+        opt.build([var])
+    clip.clip_after_all_reduce(opt, 5.0)
+    _replica_apply(mirrored2, opt, var, [g, g])
+    for value in mirrored2.experimental_local_results(var.value):
+        np.testing.assert_allclose(value.numpy(), [-3.0, -4.0], rtol=1e-6)
+    with pytest.raises(ValueError, match="clip_norm"):
+        clip.clip_after_all_reduce(keras.optimizers.SGD(1.0), 0.0)

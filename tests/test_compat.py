@@ -12,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 from tf_blocksparse import _compat
+from tf_blocksparse.distribute import strategy as strategy_lib
+from tf_blocksparse.keras import backup as backup_lib
 
 
 def test_the_installed_versions_are_a_tested_pair():
@@ -135,6 +137,7 @@ def test_strategy_cross_device_ops():
     ops = tf.distribute.ReductionToOneDevice()
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
     assert _compat.strategy_cross_device_ops(strategy) is ops
+    assert strategy_lib.cross_device_ops(strategy) is ops  # the library's public face
 
 
 def _nested_model() -> keras.Model:
@@ -267,7 +270,9 @@ def test_resumed_epoch_after_backup_and_restore(tmp_path):
 
     with pytest.raises(RuntimeError, match="interrupted"):
         fit([Stop()])
-    assert _compat.resumed_epoch(fit([])) == 2
+    resumed = fit([])
+    assert _compat.resumed_epoch(resumed) == 2
+    assert backup_lib.initial_epoch(resumed) == 2  # the library's public face
     fresh = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     assert _compat.resumed_epoch(fresh) == 0
 

@@ -1,12 +1,51 @@
-"""launch/experiments.py: the one table of exchange methods the scripts compare."""
+"""launch/experiments.py: the one table of exchange methods the scripts compare, each a
+``Method`` config that renders to the ``launch.train`` command line the results record."""
 
 from __future__ import annotations
+
+import json
+import pathlib
 
 import pytest
 from absl import flags
 
 from launch import experiments
 from launch.flags import define_flags
+from launch.method import Method
+from tf_blocksparse.options import CompressionOptions
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+#: The command line of every method as the committed results record it (``{density}``: the
+#: benchmark's ``--density``).  A method's flags must not change: the results files hold
+#: the runs they made.
+COMMAND_LINES = {
+    "dense": ("--compression=dense",),
+    "block_auto_default": ("--compression=block", "--exchange=auto"),
+    "block_default": ("--compression=block", "--exchange=allgather"),
+    "block_default_dgc_warmup": ("--compression=block", "--exchange=allgather",
+                                 "--density_warmup=0.25,0.0625,0.015625,0.004"),
+    "block_allgather": ("--compression=block", "--density={density}", "--exchange=allgather"),
+    "block_shared": ("--compression=block", "--density={density}", "--exchange=shared"),
+    "block_auto": ("--compression=block", "--density={density}", "--exchange=auto",
+                   "--fusion_buffer_bytes=262144"),
+    "block_k1": ("--compression=block", "--k=1", "--exchange=allgather"),
+    "block_source": ("--compression=block", "--k=1", "--exchange=allgather",
+                     "--global_momentum", "--dense_below=0"),
+    "block_k1_dgc": ("--compression=block", "--k=1", "--exchange=allgather",
+                     "--dense_below=0"),
+    "block_k1_waited": ("--compression=block", "--momentum_masking=waited"),
+    "topk": ("--compression=topk", "--density={density}", "--exchange=allgather"),
+    "topk_1pct": ("--compression=topk", "--density=0.01", "--exchange=allgather"),
+    "local_dense": ("--compression=dense", "--sync_every=32"),
+    "local_block": ("--compression=block", "--density=0.05", "--exchange=allgather",
+                    "--quantize=int8", "--sync_every=32", "--outer_lr=1.0",
+                    "--outer_momentum=0.0"),
+    "local_block_nesterov": ("--compression=block", "--density=0.05", "--exchange=allgather",
+                             "--quantize=int8", "--sync_every=32", "--outer_lr=0.7",
+                             "--outer_momentum=0.9"),
+}
+DENSITIES = (0.01, 0.05, 0.1)
 
 
 def _parse(args: list[str]) -> flags.FlagValues:
@@ -14,6 +53,48 @@ def _parse(args: list[str]) -> flags.FlagValues:
     define_flags(fv)
     fv(["train", *args])
     return fv
+
+
+def test_the_table_has_every_recorded_method():
+    assert set(experiments.METHODS) == set(COMMAND_LINES)
+
+
+@pytest.mark.parametrize("method", sorted(COMMAND_LINES))
+@pytest.mark.parametrize("density", DENSITIES)
+def test_every_method_renders_its_recorded_command_line(method: str, density: float):
+    recorded = [f.format(density=density) for f in COMMAND_LINES[method]]
+    assert experiments.method_flags(method, density) == recorded
+
+
+@pytest.mark.parametrize("method", sorted(COMMAND_LINES))
+@pytest.mark.parametrize("density", DENSITIES)
+def test_flags_config_flags_round_trip(method: str, density: float):
+    """flags -> Method -> flags is the same command line, launch.train parses it, and the
+    method read back from the flags is the table's."""
+    args = experiments.method_flags(method, density)
+    parsed = Method.from_flags(_parse(args))
+    assert parsed.to_flags() == args
+    assert parsed == experiments.method_config(method, density)
+
+
+def test_methods_are_built_from_the_library_options():
+    for method in COMMAND_LINES:
+        config = experiments.method_config(method, 0.05)
+        assert isinstance(config.options, CompressionOptions)
+    assert experiments.method_config("block_allgather", 0.05).options == CompressionOptions(
+        density=0.05, exchange="allgather")
+    topk = experiments.method_config("topk_1pct").options
+    assert (topk.granularity, topk.density, topk.exchange) == ("element", 0.01, "allgather")
+    assert not experiments.method_config("local_dense").options.sparse
+    with pytest.raises(ValueError, match="density"):
+        experiments.method_config("block_allgather")
+
+
+def test_the_local_steps_report_records_the_table_command_lines():
+    """``local_steps.json`` stores its methods' command lines; the table still renders them."""
+    doc = json.loads((ROOT / "benchmarks" / "results" / "local_steps.json").read_text())
+    for method, recorded in doc["budget"]["methods"].items():
+        assert experiments.method_flags(method) == recorded, method
 
 
 def test_every_script_draws_its_methods_from_the_one_table():

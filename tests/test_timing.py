@@ -48,3 +48,13 @@ def test_the_in_graph_clock_waits_for_stateless_work():
         return timing.graph_clock([y]) - start
 
     assert elapsed(tf.ones(3)).numpy() >= 0.05
+
+
+def test_load_trace_reads_a_profiler_xspace(tmp_path):
+    from tf_blocksparse import _compat
+
+    space = _compat.xplane_proto().XSpace()
+    space.planes.add().name = "/host:CPU"
+    path = tmp_path / "host.xplane.pb"
+    path.write_bytes(space.SerializeToString())
+    assert [p.name for p in timing.load_trace(str(path)).planes] == ["/host:CPU"]

@@ -52,6 +52,8 @@ def test_flags_parse_and_validate():
     (["--compression=dense", "--dense_below=0"], "--dense_below"),
     (["--compression=dense", "--momentum_masking=none"], "--momentum_masking"),
     (["--compression=dense", "--quantize=int8"], "--quantize"),
+    (["--compression=dense", "--exchange=allgather"], "--exchange"),
+    (["--compression=dense", "--metric=l2"], "--metric"),
     (["--outer_momentum=0.9"], "--outer_momentum"),
     (["--num_devices=0"], "num_devices"),
     (["--lr=0"], "--lr"),
@@ -132,21 +134,21 @@ def test_optimizer_flags_follow_the_library_defaults():
     import keras
 
     import tf_blocksparse as tfbs
-    from launch.train import make_optimizer
+    from launch.config import TrainConfig
+    from launch.optimizer import make_optimizer
+
+    def optimizer(*args):
+        config = TrainConfig.from_flags(_flag_values(*args))
+        return make_optimizer(config.method, config.lr, config.momentum)
 
     lib = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
-    fv = _flag_values()
-    opt = make_optimizer(fv.compression, fv.k, fv.density, fv.metric, fv.exchange, fv.lr,
-                         fv.momentum, fv.global_momentum, fv.dense_below, fv.momentum_masking)
+    opt = optimizer()
     for key in ("k", "density", "metric", "exchange", "momentum_correction", "dense_below",
                 "momentum_masking", "granularity"):
         assert getattr(opt, key) == getattr(lib, key), key
     assert opt.compression.auto and opt.momentum_correction == 0.9  # dense groups: inner SGD
     assert opt.inner_optimizer.momentum == pytest.approx(0.9)
-    fv = _flag_values("--global_momentum", "--dense_below=0")
-    literal = make_optimizer(fv.compression, fv.k, fv.density, fv.metric, fv.exchange, fv.lr,
-                             fv.momentum, fv.global_momentum, fv.dense_below,
-                             fv.momentum_masking)
+    literal = optimizer("--global_momentum", "--dense_below=0")
     assert literal.momentum_correction is None and literal.inner_optimizer.momentum == 0.9
     assert literal.dense_below == 0
 

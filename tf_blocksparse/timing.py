@@ -4,7 +4,9 @@ Used where the library times something itself: the automatic exchange's link and
 compression probes (:mod:`tf_blocksparse.auto.link_probe`), the optimizer wrapper's
 time per step and the layer profiler (:mod:`tf_blocksparse.keras.profiler`).
 :func:`median_seconds` times calls from Python; :func:`graph_clock` reads the clock inside
-a TensorFlow graph (TensorFlow is imported there only, so the module stays TF-free).
+a TensorFlow graph; :func:`load_trace` reads what TensorFlow's profiler recorded, to
+measure a step op by op (TensorFlow is imported inside those two only, so the module stays
+TF-free).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["graph_clock", "median_seconds"]
+from tf_blocksparse import _compat
+
+__all__ = ["graph_clock", "load_trace", "median_seconds"]
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1,
@@ -64,3 +68,22 @@ def graph_clock(after: Sequence[Any] = ()) -> Any:
     firsts = [tf.cast(tf.reshape(t, [-1])[:1], tf.float32) for t in after]
     inputs = [tf.concat(firsts, 0)] if firsts else []  # one small input: cheap to hand over
     return tf.py_function(lambda *_: np.float64(time.perf_counter()), inputs, tf.float64)
+
+
+def load_trace(path: str) -> Any:
+    """A trace file of TensorFlow's profiler (an ``*.xplane.pb`` that
+    ``tf.profiler.experimental`` writes under ``LOGDIR/plugins/profile/RUN/``) as its
+    ``XSpace`` protocol buffer message: planes (``/host:CPU``, devices), each with lines of
+    timed events and their metadata.
+
+    Args:
+      path: The ``*.xplane.pb`` file.
+
+    Raises:
+      OSError: The file cannot be read.
+      google.protobuf.message.DecodeError: It is not an ``XSpace``.
+    """
+    space = _compat.xplane_proto().XSpace()
+    with open(path, "rb") as fh:
+        space.ParseFromString(fh.read())
+    return space

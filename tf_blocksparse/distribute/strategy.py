@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from tf_blocksparse import _compat
+
 #: The dtypes TF's collective all-reduce (``CollectiveReduceV2``) takes.
 REDUCE_DTYPES = frozenset({tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.int32,
                            tf.int64})
@@ -128,3 +130,10 @@ def worker_role(strategy: tf.distribute.Strategy) -> WorkerRole:
     index = int(resolver.task_id or 0) + (1 if has_chief and resolver.task_type == "worker"
                                           else 0)
     return WorkerRole(workers, index, index == 0)
+
+
+def cross_device_ops(strategy: tf.distribute.Strategy) -> tf.distribute.CrossDeviceOps:
+    """The ``CrossDeviceOps`` a ``MirroredStrategy`` (or a multi-worker one) reduces with:
+    the one it was given, or the one TensorFlow picked for its devices, e.g. to record
+    which reduction a benchmark measured."""
+    return _compat.strategy_cross_device_ops(strategy)

@@ -63,6 +63,13 @@ def resumed_epoch(backup_dir: str) -> int:
         return int(json.load(fh)["epoch"])
 
 
+def initial_epoch(model: keras.Model) -> int:
+    """The epoch the last ``model.fit`` started from: the one a ``BackupAndRestore`` callback
+    resumed it at, 0 for a run that started afresh (read after ``fit``, e.g. for a run's
+    record; :func:`resumed_epoch` reads it from the backup before training)."""
+    return _compat.resumed_epoch(model)
+
+
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """Keras ``BackupAndRestore`` for block-sparse training on several workers (same
     arguments; ``double_checkpoint`` defaults to ``True``).
