@@ -54,7 +54,8 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 CORE = sorted(p for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_compat.py"))
-PLANNING = sorted((PKG / "planning").rglob("*.py"))
+PLANNING = sorted([*(PKG / "planning").rglob("*.py"),
+                   *(p for p in (PKG / "fusion").glob("*.py") if p.stem != "forward_order")])
 ADAPTER_FILES = sorted(p for d in ("keras", "distribute", "auto") for p in (PKG / d).rglob("*.py"))
 REPO_PY = sorted(p for d in ("tf_blocksparse", "launch", "models")
                  for p in (ROOT / d).rglob("*.py"))
@@ -74,11 +75,11 @@ def test_block_rule_table_and_options_are_tensorflow_free():
 
 @pytest.mark.parametrize("path", PLANNING, ids=_rel)
 def test_planning_is_tensorflow_free(path):
-    allowed_core = ("tf_blocksparse.planning",)
+    allowed_core = ("tf_blocksparse.planning", "tf_blocksparse.fusion")
     bad = {n for n in _imports(path)
            if _under(n, ("tensorflow", "keras", *REPO_ONLY))
            or (n.startswith("tf_blocksparse") and not _under(n, allowed_core)
-               and n != "tf_blocksparse")}
+               and n != "tf_blocksparse") or _under(n, ("tf_blocksparse.fusion.forward_order",))}
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 
@@ -292,6 +293,8 @@ def _group(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) == 1:
         return None
+    if parts[1] == "fusion":  # the fusion planner, and its runtime (the gradient order)
+        return "distribute" if parts[2:3] == ["forward_order"] else "planning"
     if parts[1] in ("planning", "distribute", "auto", "keras", "launcher", "kernels"):
         return parts[1]
     return "compat" if parts[1] == "_compat" else "core"

@@ -17,7 +17,7 @@ from tf_blocksparse import hooks
 from tf_blocksparse.blocks import BlockLayout
 from tf_blocksparse.collectives import DeviceCollectives
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.fusion import FusionPlan
 
 __all__ = ["exchange_on_devices", "run_on_devices", "sum_on_devices"]
 

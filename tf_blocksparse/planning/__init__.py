@@ -2,7 +2,7 @@
 
 Grouped by topic; every public name below is importable from ``tf_blocksparse.planning``.
 
-- :mod:`~tf_blocksparse.planning.fusion`: balanced tensor fusion -- fusion plans, the balanced
+- :mod:`~tf_blocksparse.fusion`: balanced tensor fusion -- fusion plans, the balanced
   planner, the TF / DDP / Horovod bucketing baselines, every method side by side, and the online
   per-cycle scheduler with its cycle simulator.
 - :mod:`~tf_blocksparse.planning.pipeline`: pipeline plans and their cost model, the
@@ -21,15 +21,7 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
   :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths).
 """
 
-from .exchange_cost import (
-    AutoExchange,
-    ExchangeDecision,
-    GroupCost,
-    LinkCost,
-    exchange_seconds,
-    mode_seconds,
-)
-from .fusion import (
+from tf_blocksparse.fusion import (
     FusionGroup,
     FusionPlan,
     FusionScheduler,
@@ -45,6 +37,15 @@ from .fusion import (
     plan_tf_group_by_size,
     simulate,
     simulate_greedy_cycles,
+)
+
+from .exchange_cost import (
+    AutoExchange,
+    ExchangeDecision,
+    GroupCost,
+    LinkCost,
+    exchange_seconds,
+    mode_seconds,
 )
 from .pipeline import (
     PipelinePlan,

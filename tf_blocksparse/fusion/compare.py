@@ -1,8 +1,8 @@
 """Every fusion method on the same gradients, summarised side by side.
 
 Pure Python, no TensorFlow: the balanced planner of
-:mod:`~tf_blocksparse.planning.fusion.balanced` against TF's ``group_by_size``, PyTorch DDP's
-buckets and Horovod's greedy fusion (:mod:`~tf_blocksparse.planning.fusion.baselines`).
+:mod:`~tf_blocksparse.fusion.balanced` against TF's ``group_by_size``, PyTorch DDP's
+buckets and Horovod's greedy fusion (:mod:`~tf_blocksparse.fusion.baselines`).
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ def plan_backward(nbytes: Sequence[int], dtypes: Sequence[str], buffer_bytes: in
       buffer_bytes: The fusion buffer size.
       names: Optional names (default ``gradient_<i>``).
       order: Optional execution (backward) order of the gradients, e.g. derived from the
-        model's forward pass (:mod:`tf_blocksparse.distribute.forward_order`); ``None`` falls back
+        model's forward pass (:mod:`tf_blocksparse.fusion.forward_order`); ``None`` falls back
         to the reverse of the list order.
 
     Returns:

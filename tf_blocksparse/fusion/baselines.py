@@ -1,7 +1,7 @@
 """The bucketing baselines the balanced planner is compared with: TF, PyTorch DDP, Horovod.
 
 Each reproduces how that framework groups gradients into fusion buffers, as a
-:class:`~tf_blocksparse.planning.fusion.plan.FusionPlan` over the same tensors.
+:class:`~tf_blocksparse.fusion.plan.FusionPlan` over the same tensors.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ stored (JSON) before a strategy exists.  Tensors are referred to by their index 
 A plan lists fusion groups, each a contiguous run of the *execution order* (the order in which
 gradients become ready, i.e. backward order).  A buffer never mixes dtypes; a tensor larger than
 the buffer is reduced in its own group; one that fills the buffer (*oversized*) may, in the
-balanced planner (:mod:`~tf_blocksparse.planning.fusion.balanced`), carry up to one buffer of
+balanced planner (:mod:`~tf_blocksparse.fusion.balanced`), carry up to one buffer of
 the tensors ready just before it.  The bucketing baselines the balanced planner is compared
-with live in :mod:`~tf_blocksparse.planning.fusion.baselines`.
+with live in :mod:`~tf_blocksparse.fusion.baselines`.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def execution_order(num_tensors: int,
 
     Backpropagation visits the variables in the reverse of the order the forward pass first
     used them.  ``forward_use_order`` is that order as variable indices; the TF adapter
-    :func:`tf_blocksparse.distribute.forward_order.forward_use_order` derives it from a trace of the
+    :func:`tf_blocksparse.fusion.forward_order.forward_use_order` derives it from a trace of the
     model's forward pass (first read of each variable's handle).  Without it (``None``: no
     model known) this falls back to the reverse of the list order, which is right when the
     variables are listed in use order (Sequential models, functional chains) and only an

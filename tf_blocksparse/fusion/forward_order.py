@@ -37,7 +37,7 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat
-from tf_blocksparse.planning.fusion import execution_order
+from tf_blocksparse.fusion import execution_order
 
 __all__ = ["backward_ranks", "derive_execution_order", "forward_use_order",
            "model_input_spec"]
