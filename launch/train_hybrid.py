@@ -291,7 +291,7 @@ def launch_cluster(f: Any) -> int:
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from tf_blocksparse.distribute import remote
+    from tf_blocksparse.runtime import remote
 
     if FLAGS.workers and remote.cluster_from_env() is None:
         return launch_cluster(FLAGS)

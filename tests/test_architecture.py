@@ -56,7 +56,8 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 CORE = sorted(p for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_compat.py"))
 PLANNING = sorted([*(PKG / "planning").rglob("*.py"),
                    *(p for p in (PKG / "fusion").glob("*.py") if p.stem != "forward_order")])
-ADAPTER_FILES = sorted(p for d in ("keras", "distribute", "auto") for p in (PKG / d).rglob("*.py"))
+ADAPTER_FILES = sorted(p for d in ("keras", "distribute", "auto", "runtime")
+                       for p in (PKG / d).rglob("*.py"))
 REPO_PY = sorted(p for d in ("tf_blocksparse", "launch", "models")
                  for p in (ROOT / d).rglob("*.py"))
 
@@ -85,7 +86,7 @@ def test_planning_is_tensorflow_free(path):
 
 #: The trainers that split or profile a Keras model with the Keras adapter's helpers.
 KERAS_MODEL_TRAINERS = ("hybrid_trainer.py", "pipeline_trainer.py")
-DISTRIBUTE_FILES = sorted(p for p in (PKG / "distribute").rglob("*.py")
+DISTRIBUTE_FILES = sorted(p for d in ("distribute", "runtime") for p in (PKG / d).rglob("*.py")
                           if p.name not in KERAS_MODEL_TRAINERS)
 
 
@@ -293,6 +294,8 @@ def _group(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) == 1:
         return None
+    if parts[1] == "runtime":  # the step-based trainers' shared runtime
+        return "distribute"
     if parts[1] == "fusion":  # the fusion planner, and its runtime (the gradient order)
         return "distribute" if parts[2:3] == ["forward_order"] else "planning"
     if parts[1] in ("planning", "distribute", "auto", "keras", "launcher", "kernels"):

@@ -1,6 +1,6 @@
 """In-group gradient sync of the hybrid conv/FC runtime.
 
-The replicas of a group are :class:`~tf_blocksparse.distribute.replica.Replica`\\ s of a model
+The replicas of a group are :class:`~tf_blocksparse.runtime.replica.Replica`\\ s of a model
 part (the conv trunk or the FC head), each variable copy on the device the placement gives its
 layer (the replica's compute device, or the host device for layers in "expanded" memory).
 
@@ -28,12 +28,12 @@ import tensorflow as tf
 
 from tf_blocksparse import blocks
 from tf_blocksparse.distribute.device_exchange import exchange_on_devices, sum_on_devices
-from tf_blocksparse.distribute.devices import device_key
-from tf_blocksparse.distribute.replica import Replica
-from tf_blocksparse.distribute.slicing import split_sizes
 from tf_blocksparse.exchange import selection_nbytes
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.options import CompressionOptions
+from tf_blocksparse.runtime.devices import device_key
+from tf_blocksparse.runtime.replica import Replica
+from tf_blocksparse.runtime.slicing import split_sizes
 
 __all__ = ["GroupSync", "ancestors", "check_compression", "check_devices",
            "gradient_dependencies", "replica_report", "row_sizes", "variable_bytes"]

@@ -49,7 +49,6 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse.distribute.fit import FitLoop
 from tf_blocksparse.distribute.hybrid_sync import (
     GroupSync,
     check_compression,
@@ -59,11 +58,12 @@ from tf_blocksparse.distribute.hybrid_sync import (
     row_sizes,
     variable_bytes,
 )
-from tf_blocksparse.distribute.losses import loss_part, per_example_loss
-from tf_blocksparse.distribute.replica import Replica, average_state, clone_optimizer
-from tf_blocksparse.distribute.slicing import reslice
 from tf_blocksparse.keras.hybrid_split import Boundary, find_boundary, split_model
 from tf_blocksparse.options import CompressionOptions
+from tf_blocksparse.runtime.fit import FitLoop
+from tf_blocksparse.runtime.losses import loss_part, per_example_loss
+from tf_blocksparse.runtime.replica import Replica, average_state, clone_optimizer
+from tf_blocksparse.runtime.slicing import reslice
 
 __all__ = ["HybridTrainer"]
 
@@ -80,7 +80,7 @@ class HybridTrainer(FitLoop):
         head: The FC part.
         expanded_layers: Names of the layers whose state lives on ``host_device``.
         replicas: ``{"conv": [Replica] * I, "fc": [Replica] * J}``
-            (:class:`~tf_blocksparse.distribute.replica.Replica`).
+            (:class:`~tf_blocksparse.runtime.replica.Replica`).
         syncs: ``{"conv": GroupSync, "fc": GroupSync}``.
         optimizers: ``optimizers[group][r]``: ``(optimizer, variable indices)`` per layer and
             variable device of replica ``r``.

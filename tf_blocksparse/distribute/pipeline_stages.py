@@ -2,7 +2,7 @@
 
 A pipeline stage is a contiguous slice ``[first_layer, last_layer]`` of a chain model's layers
 (see :func:`tf_blocksparse.keras.profiler.chain_layers`) run data-parallel on one or more
-devices, each holding a :class:`~tf_blocksparse.distribute.replica.Replica` of the stage.
+devices, each holding a :class:`~tf_blocksparse.runtime.replica.Replica` of the stage.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-from tf_blocksparse.distribute.devices import device_key
+from tf_blocksparse.runtime.devices import device_key
 
 __all__ = ["StageSpec", "normalize_stages"]
 

@@ -24,7 +24,7 @@ micro-batches at once:
    same gradient, same optimizer state, so the replicas stay identical.
 
 Variables: every replica owns **copies** of its stage's variables (see
-:class:`~tf_blocksparse.distribute.replica.Replica`); the original model's layer objects are
+:class:`~tf_blocksparse.runtime.replica.Replica`); the original model's layer objects are
 reused but its variables are not trained: call :meth:`PipelineTrainer.copy_to_model` to write
 the trained values back.  Non-trainable state (e.g. BatchNorm moving statistics) is
 updated micro-batch after micro-batch on each replica and averaged over the stage's replicas at
@@ -40,13 +40,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse.distribute.devices import default_devices
-from tf_blocksparse.distribute.fit import FitLoop
-from tf_blocksparse.distribute.losses import loss_part, per_example_loss
 from tf_blocksparse.distribute.pipeline_stages import StageSpec, normalize_stages
-from tf_blocksparse.distribute.replica import Replica, average_state, clone_optimizer
-from tf_blocksparse.distribute.slicing import reslice, split_sizes
 from tf_blocksparse.keras.profiler import chain_layers
+from tf_blocksparse.runtime.devices import default_devices
+from tf_blocksparse.runtime.fit import FitLoop
+from tf_blocksparse.runtime.losses import loss_part, per_example_loss
+from tf_blocksparse.runtime.replica import Replica, average_state, clone_optimizer
+from tf_blocksparse.runtime.slicing import reslice, split_sizes
 
 __all__ = ["PipelineTrainer"]
 
@@ -57,7 +57,7 @@ class PipelineTrainer(FitLoop):
     Attributes:
         model: The model (its layer objects run the stages; its variables are not trained).
         stages: The validated :class:`StageSpec`\\ s.
-        replicas: ``replicas[s][r]``: the :class:`~tf_blocksparse.distribute.replica.Replica`
+        replicas: ``replicas[s][r]``: the :class:`~tf_blocksparse.runtime.replica.Replica`
             of stage ``s`` on its ``r``-th device.
         optimizers: ``optimizers[s][r]``: the optimizer of replica ``r`` of stage ``s``.
         micro_batches: Micro-batches per mini-batch.

@@ -15,7 +15,7 @@ launcher hands it to the processes it starts through the :data:`CLUSTER_ENV` env
 variable (JSON, plus the task index for workers)::
 
     # on each worker machine i
-    python -c "from tf_blocksparse.distribute import remote; remote.serve(SPEC, i).join()"
+    python -c "from tf_blocksparse.runtime import remote; remote.serve(SPEC, i).join()"
     # on the client
     devices = remote.connect(SPEC)
     trainer = tfbs.PipelineTrainer(model, stages, loss, opt, micro_batches=4, devices=devices)
