@@ -1099,7 +1099,7 @@ HYBRID = [
 
         from tf_blocksparse import HybridTrainer, find_boundary, split_model
         from tf_blocksparse.keras.hybrid_split import layer_memory
-        from tf_blocksparse.keras.profiler import measure_layers
+        from tf_blocksparse.pipeline.profiler import measure_layers
         from tf_blocksparse.planning import MemoryBudget, evaluate_placement, plan_placement
     ''', logical_cpus(4, "2 conv replicas, 1 FC replica, expanded memory")),
     md('''

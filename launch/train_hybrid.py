@@ -165,7 +165,7 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
     budgets = {k: v * MIB if v else math.inf for k, v in mib.items()}
     compute_s = None
     if f.profile_layers:
-        from tf_blocksparse.keras.profiler import measure_layers
+        from tf_blocksparse.pipeline.profiler import measure_layers
 
         compute_s = {m.name: m.compute_s for m in measure_layers(
             model, batch_size=f.batch_size, allow_non_chain=True, warmup=1, repeats=3)}

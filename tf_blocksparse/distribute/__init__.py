@@ -1,10 +1,7 @@
-"""tf.distribute adapters: the block-sparse CrossDeviceOps, the multi-worker fix and the
-pipeline runtime."""
+"""tf.distribute adapters: the block-sparse CrossDeviceOps and the multi-worker fix."""
 
 from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
 from tf_blocksparse.distribute.fused_ops import FusedCrossDeviceOps
-from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
 from tf_blocksparse.distribute.strategy import MultiWorkerMirroredStrategy
 
-__all__ = ["BlockSparseCrossDeviceOps", "FusedCrossDeviceOps", "MultiWorkerMirroredStrategy",
-           "PipelineTrainer"]
+__all__ = ["BlockSparseCrossDeviceOps", "FusedCrossDeviceOps", "MultiWorkerMirroredStrategy"]

@@ -5,7 +5,7 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
 - :mod:`~tf_blocksparse.fusion`: balanced tensor fusion -- fusion plans, the balanced
   planner, the TF / DDP / Horovod bucketing baselines, every method side by side, and the online
   per-cycle scheduler with its cycle simulator.
-- :mod:`~tf_blocksparse.planning.pipeline`: pipeline plans and their cost model, the
+- :mod:`~tf_blocksparse.pipeline`: pipeline plans and their cost model, the
   bandwidth-aware pipeline planner (with exhaustive and brute-force checks), the PipeDream and
   bandwidth-oblivious baselines, and the GPipe / 1F1B schedule simulator.
 - :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement on devices and
@@ -17,8 +17,8 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
   measured collective and compression times.
 - :mod:`~tf_blocksparse.planning.scaling`: projected scaling efficiency, the cost model's
   links derived from Hockney's alpha-beta ring model.
-- Shared inputs: :mod:`~tf_blocksparse.planning.profile` (per-layer model profiles) and
-  :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths).
+- Shared inputs: :mod:`~tf_blocksparse.pipeline.profile` (per-layer model profiles) and
+  :mod:`~tf_blocksparse.pipeline.topology` (devices and pairwise bandwidths).
 """
 
 from tf_blocksparse.fusion import (
@@ -38,6 +38,32 @@ from tf_blocksparse.fusion import (
     simulate,
     simulate_greedy_cycles,
 )
+from tf_blocksparse.pipeline import (
+    LayerProfile,
+    ModelProfile,
+    PipelinePlan,
+    Stage,
+    Topology,
+    compare_pipeline_plans,
+    evaluate_stages,
+    homogeneous,
+    make_plan,
+    pipedream_levels,
+    plan_bruteforce,
+    plan_cost,
+    plan_exhaustive,
+    plan_oblivious,
+    plan_pipedream,
+    plan_pipeline,
+    random_heterogeneous,
+    random_profile,
+    schedule_order,
+    simulate_pipeline,
+    stage_time,
+    synthetic_profile,
+    two_level,
+    validate_plan,
+)
 
 from .exchange_cost import (
     AutoExchange,
@@ -47,24 +73,6 @@ from .exchange_cost import (
     exchange_seconds,
     mode_seconds,
 )
-from .pipeline import (
-    PipelinePlan,
-    Stage,
-    compare_pipeline_plans,
-    evaluate_stages,
-    make_plan,
-    pipedream_levels,
-    plan_bruteforce,
-    plan_cost,
-    plan_exhaustive,
-    plan_oblivious,
-    plan_pipedream,
-    plan_pipeline,
-    schedule_order,
-    simulate_pipeline,
-    stage_time,
-    validate_plan,
-)
 from .placement import (
     LayerMemory,
     LayerPlacement,
@@ -73,7 +81,6 @@ from .placement import (
     evaluate_placement,
     plan_placement,
 )
-from .profile import LayerProfile, ModelProfile, random_profile, synthetic_profile
 from .scaling import (
     ExchangeCost,
     NetworkModel,
@@ -85,7 +92,6 @@ from .scaling import (
     scaling_efficiency,
     shared_mode_time,
 )
-from .topology import Topology, homogeneous, random_heterogeneous, two_level
 
 __all__ = [
     # automatic exchange

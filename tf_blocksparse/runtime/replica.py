@@ -1,7 +1,7 @@
 """One device's copy of a piece of a model, shared by the pipeline and hybrid trainers.
 
 Both trainers run pieces of one Keras model data-parallel: a pipeline stage (a run of a chain
-model's layers, :class:`~tf_blocksparse.distribute.pipeline_trainer.PipelineTrainer`) or a
+model's layers, :class:`~tf_blocksparse.pipeline.trainer.PipelineTrainer`) or a
 model part (the conv trunk or the FC head,
 :class:`~tf_blocksparse.distribute.hybrid_trainer.HybridTrainer`).  Every device of a piece
 holds a :class:`Replica`: its own copies of the piece's variables (``keras.Variable``\\ s

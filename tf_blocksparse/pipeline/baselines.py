@@ -1,9 +1,9 @@
 """Baselines for the pipeline planner: an oblivious split, and all planners side by side.
 
 PipeDream's hierarchical dynamic program lives in
-:mod:`~tf_blocksparse.planning.pipeline.pipedream`.  Each baseline decides with its own model,
+:mod:`~tf_blocksparse.pipeline.pipedream`.  Each baseline decides with its own model,
 then its result is placed on concrete devices and **evaluated with the same cost model**
-(:mod:`~tf_blocksparse.planning.pipeline.plan`) as
+(:mod:`~tf_blocksparse.pipeline.plan`) as
 :func:`plan_pipeline`, so :func:`compare_pipeline_plans` compares like with like.  Pure
 Python + numpy.
 """
@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..profile import ModelProfile
-from ..topology import Topology
 from .partition import plan_pipeline
 from .pipedream import plan_pipedream
 from .plan import PipelinePlan, make_plan
+from .profile import ModelProfile
+from .topology import Topology
 
 __all__ = ["compare_pipeline_plans", "plan_oblivious"]
 

@@ -29,9 +29,9 @@ import heapq
 import math
 from collections import deque
 
-from ..profile import ModelProfile
-from ..topology import Topology
 from .plan import PipelinePlan, evaluate_stages, validate_plan
+from .profile import ModelProfile
+from .topology import Topology
 
 __all__ = ["schedule_order", "simulate_pipeline"]
 

@@ -11,10 +11,10 @@ order).  Its time per micro-batch is
   (a ring all-reduce limited by its slowest edge; else 0),
 
 and the plan's *bottleneck* is ``max_s T_s``.  Each device serves at most one stage; not every
-device must be used.  The planners live in :mod:`~tf_blocksparse.planning.pipeline.partition`
+device must be used.  The planners live in :mod:`~tf_blocksparse.pipeline.partition`
 (the bandwidth-aware dynamic program, exhaustive and brute-force searches),
-:mod:`~tf_blocksparse.planning.pipeline.pipedream` and
-:mod:`~tf_blocksparse.planning.pipeline.baselines`.
+:mod:`~tf_blocksparse.pipeline.pipedream` and
+:mod:`~tf_blocksparse.pipeline.baselines`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..profile import ModelProfile
-from ..topology import Topology
+from .profile import ModelProfile
+from .topology import Topology
 
 __all__ = [
     "PipelinePlan", "Stage", "evaluate_stages", "make_plan", "plan_cost", "stage_time",

@@ -3,7 +3,7 @@
 :func:`plan_pipeline` is the project's pipeline planner: order the devices by total bandwidth
 (highest first, ties by lower id), then a min-max dynamic program with backtracking over
 consecutive layer ranges x runs of consecutive devices of that order, minimising the largest
-stage time of the cost model in :mod:`~tf_blocksparse.planning.pipeline.plan`.  A stage's run may
+stage time of the cost model in :mod:`~tf_blocksparse.pipeline.plan`.  A stage's run may
 start after unused devices (gaps), so its search space contains every "consecutive runs"
 assignment.  :func:`plan_exhaustive` enumerates that same space and :func:`plan_bruteforce`
 every device subset and ring order, for checks on small cases.  Pure Python + numpy.
@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ..profile import ModelProfile
-from ..topology import Topology
 from .plan import PipelinePlan, make_plan, stage_time
+from .profile import ModelProfile
+from .topology import Topology
 
 __all__ = ["plan_bruteforce", "plan_exhaustive", "plan_pipeline"]
 

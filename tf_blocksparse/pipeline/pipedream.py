@@ -7,7 +7,7 @@ level-1 components linked at ``B_2``, and so on.  The planner solves level 1 ins
 component, then at level ``k`` treats each level-``(k-1)`` component as one worker whose time
 for layers ``i..j`` is the level below's optimum ``A^{k-1}(i..j, m_{k-1})``.  Its result is
 placed on concrete devices and evaluated with the shared cost model of
-:mod:`~tf_blocksparse.planning.pipeline.plan`, like every planner here.  Pure Python + numpy.
+:mod:`~tf_blocksparse.pipeline.plan`, like every planner here.  Pure Python + numpy.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..profile import ModelProfile
-from ..topology import Topology
 from .plan import PipelinePlan, make_plan
+from .profile import ModelProfile
+from .topology import Topology
 
 __all__ = ["pipedream_levels", "plan_pipedream"]
 

@@ -1,7 +1,7 @@
 """Stages of a pipeline plan, checked against the model and resolved to device names.
 
 A pipeline stage is a contiguous slice ``[first_layer, last_layer]`` of a chain model's layers
-(see :func:`tf_blocksparse.keras.profiler.chain_layers`) run data-parallel on one or more
+(see :func:`tf_blocksparse.pipeline.profiler.chain_layers`) run data-parallel on one or more
 devices, each holding a :class:`~tf_blocksparse.runtime.replica.Replica` of the stage.
 """
 

@@ -38,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_blocksparse import _compat
-from tf_blocksparse.planning import LayerProfile, ModelProfile
+from tf_blocksparse.pipeline.profile import LayerProfile, ModelProfile
 from tf_blocksparse.timing import median_seconds
 
 __all__ = ["LayerMeasurement", "chain_layers", "measure_layers", "profile_model"]

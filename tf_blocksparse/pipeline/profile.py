@@ -3,7 +3,7 @@
 A profile lists the layers of a chain model in forward order with, per layer, the measured
 compute time (forward + backward of one micro-batch), the bytes of its output activation (what
 crosses a stage cut placed after it) and the bytes of its parameters.  Pure Python: the TF
-profiler that measures real models is :func:`tf_blocksparse.keras.profiler.profile_model`;
+profiler that measures real models is :func:`tf_blocksparse.pipeline.profiler.profile_model`;
 here are the containers, their JSON form and synthetic builders for benchmarks and tests.
 """
 

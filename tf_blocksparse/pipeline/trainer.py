@@ -40,8 +40,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse.distribute.pipeline_stages import StageSpec, normalize_stages
-from tf_blocksparse.keras.profiler import chain_layers
+from tf_blocksparse.pipeline.profiler import chain_layers
+from tf_blocksparse.pipeline.stages import StageSpec, normalize_stages
 from tf_blocksparse.runtime.devices import default_devices
 from tf_blocksparse.runtime.fit import FitLoop
 from tf_blocksparse.runtime.losses import loss_part, per_example_loss
