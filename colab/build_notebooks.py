@@ -1098,7 +1098,7 @@ HYBRID = [
         import tensorflow as tf
 
         from tf_blocksparse import HybridTrainer, find_boundary, split_model
-        from tf_blocksparse.keras.hybrid_split import layer_memory
+        from tf_blocksparse.hybrid.split import layer_memory
         from tf_blocksparse.pipeline.profiler import measure_layers
         from tf_blocksparse.planning import MemoryBudget, evaluate_placement, plan_placement
     ''', logical_cpus(4, "2 conv replicas, 1 FC replica, expanded memory")),

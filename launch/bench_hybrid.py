@@ -119,10 +119,10 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
 
     from models import registry
     from models.vgg import head_fraction
-    from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
-    from tf_blocksparse.keras.hybrid_split import layer_memory
+    from tf_blocksparse.hybrid import MemoryBudget, evaluate_placement, plan_placement
+    from tf_blocksparse.hybrid.split import layer_memory
+    from tf_blocksparse.hybrid.trainer import HybridTrainer
     from tf_blocksparse.pipeline.profiler import measure_layers
-    from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
 
     shape = (f.image_size, f.image_size, 1)
 

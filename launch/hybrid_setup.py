@@ -115,7 +115,7 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
     import tensorflow as tf
 
     import tf_blocksparse as tfbs
-    from tf_blocksparse.distribute.hybrid_sync import check_compression
+    from tf_blocksparse.hybrid.sync import check_compression
     from tf_blocksparse.runtime.slicing import split_sizes
 
     ops = None

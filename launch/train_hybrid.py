@@ -5,8 +5,8 @@
 
 The model is split at its conv/FC boundary (or at ``--split_layer``, the first head layer);
 ``--conv_replicas`` replicas train the trunk and ``--fc_replicas`` replicas the head
-(:class:`~tf_blocksparse.distribute.hybrid_trainer.HybridTrainer`).  The placement planner
-(:func:`~tf_blocksparse.planning.placement.plan_placement`) decides from
+(:class:`~tf_blocksparse.hybrid.trainer.HybridTrainer`).  The placement planner
+(:func:`~tf_blocksparse.hybrid.plan_placement`) decides from
 ``--device_memory_budget`` / ``--expanded_memory_budget`` (MiB per device / per node, 0 = no
 limit) which layers keep their variables and optimizer state in host memory (``--offload=plan``;
 ``fc`` always offloads the head, ``none`` never).  Devices: on a GPU host the replicas share the
@@ -146,9 +146,9 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
 
     from launch import inputs
     from models import registry
-    from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
-    from tf_blocksparse.keras.hybrid_split import layer_memory
-    from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
+    from tf_blocksparse.hybrid import MemoryBudget, evaluate_placement, plan_placement
+    from tf_blocksparse.hybrid.split import layer_memory
+    from tf_blocksparse.hybrid.trainer import HybridTrainer
 
     arrays = inputs.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
                                   f.synthetic_shape, f.train_samples, f.seed)

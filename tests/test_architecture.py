@@ -41,7 +41,8 @@ COMPAT = PKG / "_compat.py"
 PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.tsl", "tensorflow.core")
 #: The packages whose import is TensorFlow-free: the planners' public names and each product's
 #: planner (a product package's ``__init__`` imports its planner only, never its runtime).
-PLANNER_ROOTS = ("tf_blocksparse.planning", "tf_blocksparse.fusion", "tf_blocksparse.pipeline")
+PLANNER_ROOTS = ("tf_blocksparse.planning", "tf_blocksparse.fusion", "tf_blocksparse.pipeline",
+                 "tf_blocksparse.hybrid")
 #: The Keras integration, which no runtime imports.
 KERAS_INTEGRATION = ("tf_blocksparse.keras", "tf_blocksparse.auto")
 
@@ -159,10 +160,11 @@ def test_the_planners_are_found():
     """Each product's planner is a planner and its runtime is not (the checks below see
     them)."""
     for module in ("planning.scaling", "planning.link_cost", "fusion", "fusion.balanced",
-                   "pipeline", "pipeline.partition", "pipeline.profile", "pipeline.topology"):
+                   "pipeline", "pipeline.partition", "pipeline.profile", "pipeline.topology",
+                   "hybrid", "hybrid.planner", "hybrid.memory"):
         assert f"tf_blocksparse.{module}" in PLANNERS, module
     for module in ("fusion.forward_order", "pipeline.profiler", "pipeline.trainer",
-                   "pipeline.stages"):
+                   "pipeline.stages", "hybrid.split", "hybrid.sync", "hybrid.trainer"):
         assert f"tf_blocksparse.{module}" in RUNTIMES, module
 
 
@@ -187,12 +189,7 @@ def test_planners_are_tensorflow_free(path):
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 
-#: The trainer that splits a Keras model with the Keras adapter's helper.
-KERAS_MODEL_TRAINERS = ("tf_blocksparse.distribute.hybrid_trainer",)
-
-
-@pytest.mark.parametrize("path", _files(m for m in RUNTIMES if m not in KERAS_MODEL_TRAINERS),
-                         ids=_rel)
+@pytest.mark.parametrize("path", _files(RUNTIMES), ids=_rel)
 def test_runtimes_import_no_keras_integration(path):
     bad = {m for m in GRAPH[_module_name(path)] if _under(m, KERAS_INTEGRATION)}
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
@@ -326,11 +323,6 @@ LAYERS = (
     ("auto", "keras"),                      # the Keras integration
     ("launcher",),                          # the process launcher (standard library)
 )
-#: Upward imports that exist today, each with its reason; nothing may be added here without
-#: a line in docs/architecture.md.
-UPWARD_EXCEPTIONS = {
-    ("distribute.hybrid_trainer", "keras.hybrid_split"),
-}
 FOLDERS = ("kernels", "distribute", "fusion", "runtime", "pipeline", "hybrid", "auto", "keras",
            "launcher")
 
@@ -363,11 +355,9 @@ def _upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 
 def test_imports_follow_the_layer_order():
-    """No module imports a higher layer (docs/architecture.md), apart from the listed
-    exceptions, which must all still exist (a resolved one is taken off the list)."""
+    """No module imports a higher layer (docs/architecture.md), with no exception."""
     upward = _upward_imports(GRAPH)
-    assert upward - UPWARD_EXCEPTIONS == set(), sorted(upward - UPWARD_EXCEPTIONS)
-    assert UPWARD_EXCEPTIONS <= upward, sorted(UPWARD_EXCEPTIONS - upward)
+    assert upward == set(), sorted(upward)
 
 
 def test_the_layer_check_can_fail():

@@ -47,7 +47,7 @@ _EXPORTS = {
     "EvalResult": "tf_blocksparse.keras.evaluation",
     "ExactValidation": "tf_blocksparse.keras.evaluation",
     "FusedCrossDeviceOps": "tf_blocksparse.distribute.fused_ops",  # deprecated name
-    "HybridTrainer": "tf_blocksparse.distribute.hybrid_trainer",
+    "HybridTrainer": "tf_blocksparse.hybrid.trainer",
     "MomentumCorrection": "tf_blocksparse.keras.momentum",
     "MultiWorkerMirroredStrategy": "tf_blocksparse.distribute.strategy",
     "Payload": "tf_blocksparse.feedback",
@@ -55,11 +55,11 @@ _EXPORTS = {
     "block_table": "tf_blocksparse.blocks",
     "clipping": "tf_blocksparse.clipping",
     "evaluate_exactly": "tf_blocksparse.keras.evaluation",
-    "find_boundary": "tf_blocksparse.keras.hybrid_split",
+    "find_boundary": "tf_blocksparse.hybrid.split",
     "format_block_table": "tf_blocksparse.blocks",
     "profile_model": "tf_blocksparse.pipeline.profiler",
     "save_model": "tf_blocksparse.keras.backup",
-    "split_model": "tf_blocksparse.keras.hybrid_split",
+    "split_model": "tf_blocksparse.hybrid.split",
 }
 #: Modules whose import registers Keras-serialisable classes.
 _KERAS_REGISTERED = ("tf_blocksparse.keras.optimizer",)

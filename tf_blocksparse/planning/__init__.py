@@ -8,7 +8,7 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
 - :mod:`~tf_blocksparse.pipeline`: pipeline plans and their cost model, the
   bandwidth-aware pipeline planner (with exhaustive and brute-force checks), the PipeDream and
   bandwidth-oblivious baselines, and the GPipe / 1F1B schedule simulator.
-- :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement on devices and
+- :mod:`~tf_blocksparse.hybrid`: memory-aware conv/FC placement on devices and
   expanded memory.
 - :mod:`~tf_blocksparse.planning.link_cost`: the one cost model of the exchange modes
   (collectives as ``latency + bytes * seconds_per_byte``, each mode's collectives per step)
@@ -37,6 +37,14 @@ from tf_blocksparse.fusion import (
     plan_tf_group_by_size,
     simulate,
     simulate_greedy_cycles,
+)
+from tf_blocksparse.hybrid import (
+    LayerMemory,
+    LayerPlacement,
+    MemoryBudget,
+    PlacementPlan,
+    evaluate_placement,
+    plan_placement,
 )
 from tf_blocksparse.pipeline import (
     LayerProfile,
@@ -72,14 +80,6 @@ from .exchange_cost import (
     LinkCost,
     exchange_seconds,
     mode_seconds,
-)
-from .placement import (
-    LayerMemory,
-    LayerPlacement,
-    MemoryBudget,
-    PlacementPlan,
-    evaluate_placement,
-    plan_placement,
 )
 from .scaling import (
     ExchangeCost,

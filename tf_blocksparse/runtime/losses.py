@@ -1,7 +1,7 @@
 """The loss of the step-based trainers: per-example values, and each slice's share of the mean.
 
 :class:`~tf_blocksparse.pipeline.trainer.PipelineTrainer` and
-:class:`~tf_blocksparse.distribute.hybrid_trainer.HybridTrainer` compute the loss on slices of
+:class:`~tf_blocksparse.hybrid.trainer.HybridTrainer` compute the loss on slices of
 the mini-batch held by different replicas; each slice contributes
 ``sum(per-example losses) / (B * elements per example)``, so the contributions (and their
 gradients) add up to those of the full-batch mean loss.

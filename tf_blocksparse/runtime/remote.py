@@ -6,7 +6,7 @@ connects to them (:func:`connect`) and builds the trainers with the devices it g
 in task ``i``; a ``tf.function`` whose ops carry those device scopes is partitioned by TF and
 runs on every task at once, TF moving the tensors between tasks over gRPC.  So
 :class:`~tf_blocksparse.pipeline.trainer.PipelineTrainer` and
-:class:`~tf_blocksparse.distribute.hybrid_trainer.HybridTrainer` span processes (or machines)
+:class:`~tf_blocksparse.hybrid.trainer.HybridTrainer` span processes (or machines)
 unchanged: pass them these device names.
 
 The cluster is a ``{"worker": ["host:port", ...], "chief": ["host:port"]}`` mapping (the

@@ -3,7 +3,7 @@
 Both trainers run pieces of one Keras model data-parallel: a pipeline stage (a run of a chain
 model's layers, :class:`~tf_blocksparse.pipeline.trainer.PipelineTrainer`) or a
 model part (the conv trunk or the FC head,
-:class:`~tf_blocksparse.distribute.hybrid_trainer.HybridTrainer`).  Every device of a piece
+:class:`~tf_blocksparse.hybrid.trainer.HybridTrainer`).  Every device of a piece
 holds a :class:`Replica`: its own copies of the piece's variables (``keras.Variable``\\ s
 created under ``tf.device``), while the *layer objects* are the original model's, called
 inside a :class:`keras.StatelessScope` that maps the layers' variables to the replica's

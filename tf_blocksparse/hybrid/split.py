@@ -7,7 +7,7 @@ names.  :func:`split_model` cuts the model there into two functional models that
 original layer objects (and so their variables): ``trunk`` maps the model input [b, ...] to the
 boundary activation [b, ...], ``head`` maps that activation to the model output.
 :func:`layer_memory` lists every layer's parameter, optimizer-state and activation bytes for
-the placement planner (:mod:`tf_blocksparse.planning.placement`).
+the placement planner (:mod:`tf_blocksparse.hybrid`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import keras
 import numpy as np
 
 from tf_blocksparse import _compat
-from tf_blocksparse.planning.placement import LayerMemory
+from tf_blocksparse.hybrid import LayerMemory
 
 __all__ = ["Boundary", "find_boundary", "layer_memory", "optimizer_slots", "split_model"]
 

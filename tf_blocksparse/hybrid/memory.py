@@ -1,7 +1,7 @@
 """What a layer of a hybrid conv/FC model holds in memory, and the budgets it must fit.
 
 Pure Python (standard library only), the inputs of the placement planner
-(:mod:`~tf_blocksparse.planning.placement.planner`).  The model is split at the conv/FC
+(:mod:`~tf_blocksparse.hybrid.planner`).  The model is split at the conv/FC
 boundary: the *conv group* (group A, the layers before the boundary) trains data-parallel on
 ``conv_replicas`` devices, the *FC group* (group B, the layers after it, ``LayerMemory.is_fc``)
 on ``fc_replicas`` devices whose nodes have *expanded memory* (CXL memory, emulated by host

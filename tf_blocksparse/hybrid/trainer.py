@@ -1,10 +1,10 @@
 """Hybrid conv/FC training with the FC group's state in (emulated) expanded memory.
 
-The model is split at its conv/FC boundary (:func:`~tf_blocksparse.keras.hybrid_split.
+The model is split at its conv/FC boundary (:func:`~tf_blocksparse.hybrid.split.
 find_boundary`).  Group A: ``I`` replicas train the conv trunk data-parallel on
 ``conv_devices``.  Group B: ``J`` replicas train the FC head data-parallel on ``fc_devices``.
 The layers in *expanded memory* (by default every head layer; or the layers a
-:class:`~tf_blocksparse.planning.placement.PlacementPlan` puts there) keep their variables,
+:class:`~tf_blocksparse.hybrid.PlacementPlan` puts there) keep their variables,
 optimizer slots and block-sparse residuals on ``host_device`` -- host memory standing in for a
 CXL memory expander -- while their compute runs on the group's device (on a GPU the weights
 are read from host memory every step and the optimizer update runs on the host; pass the host
@@ -25,7 +25,7 @@ runs every op as soon as its inputs are ready):
 3. B forward / backward of the head; per-example losses are summed and divided by ``B``, so
    the replicas' gradients add up to the gradient of the mini-batch mean loss.
 4. All-reduce of the head gradients among B (per variable, dense or block-sparse with error
-   feedback, :class:`~tf_blocksparse.distribute.hybrid_sync.GroupSync`), then the update: one
+   feedback, :class:`~tf_blocksparse.hybrid.sync.GroupSync`), then the update: one
    optimizer copy per replica and layer (built where the layer's variables live), all applying
    the same summed gradient, so the replicas stay identical.
 5. The activation gradients [b_j, ...] travel back to the A replicas.
@@ -49,7 +49,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse.distribute.hybrid_sync import (
+from tf_blocksparse.hybrid.split import Boundary, find_boundary, split_model
+from tf_blocksparse.hybrid.sync import (
     GroupSync,
     check_compression,
     check_devices,
@@ -58,7 +59,6 @@ from tf_blocksparse.distribute.hybrid_sync import (
     row_sizes,
     variable_bytes,
 )
-from tf_blocksparse.keras.hybrid_split import Boundary, find_boundary, split_model
 from tf_blocksparse.options import CompressionOptions
 from tf_blocksparse.runtime.fit import FitLoop
 from tf_blocksparse.runtime.losses import loss_part, per_example_loss
@@ -75,7 +75,7 @@ class HybridTrainer(FitLoop):
 
     Attributes:
         model: The model (its layer objects run both groups; its variables are not trained).
-        boundary: The :class:`~tf_blocksparse.keras.hybrid_split.Boundary` used.
+        boundary: The :class:`~tf_blocksparse.hybrid.split.Boundary` used.
         trunk: The conv part (a functional model over the original layers).
         head: The FC part.
         expanded_layers: Names of the layers whose state lives on ``host_device``.

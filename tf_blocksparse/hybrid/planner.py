@@ -1,7 +1,7 @@
 """Memory-aware placement of a hybrid conv/FC model on devices and expanded memory.
 
 Pure Python (standard library only).  The layers' memory, the budgets and the memory
-accounting are described in :mod:`~tf_blocksparse.planning.placement.memory`.
+accounting are described in :mod:`~tf_blocksparse.hybrid.memory`.
 
 Placement rule of :func:`plan_placement` (greedy, deterministic):
 

@@ -1,7 +1,7 @@
 """A placement of a hybrid conv/FC model: where each layer lives, its memory and step time.
 
-Made by :func:`~tf_blocksparse.planning.placement.planner.plan_placement` or
-:func:`~tf_blocksparse.planning.placement.planner.evaluate_placement`; JSON round-trips.
+Made by :func:`~tf_blocksparse.hybrid.planner.plan_placement` or
+:func:`~tf_blocksparse.hybrid.planner.evaluate_placement`; JSON round-trips.
 """
 
 from __future__ import annotations
