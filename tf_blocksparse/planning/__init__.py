@@ -1,15 +1,22 @@
 """Pure-Python planners (no TensorFlow import): decide offline, before a strategy exists.
 
-Grouped by topic; every public name below is importable from ``tf_blocksparse.planning``.
+Every planner's public name is importable from ``tf_blocksparse.planning``, wherever the
+planner lives.  The planners of the products live with their runtime:
 
-- :mod:`~tf_blocksparse.fusion`: balanced tensor fusion -- fusion plans, the balanced
+- :mod:`tf_blocksparse.fusion`: balanced tensor fusion -- fusion plans, the balanced
   planner, the TF / DDP / Horovod bucketing baselines, every method side by side, and the online
   per-cycle scheduler with its cycle simulator.
-- :mod:`~tf_blocksparse.pipeline`: pipeline plans and their cost model, the
+- :mod:`tf_blocksparse.pipeline`: pipeline plans and their cost model, the
   bandwidth-aware pipeline planner (with exhaustive and brute-force checks), the PipeDream and
-  bandwidth-oblivious baselines, and the GPipe / 1F1B schedule simulator.
-- :mod:`~tf_blocksparse.hybrid`: memory-aware conv/FC placement on devices and
+  bandwidth-oblivious baselines, and the GPipe / 1F1B schedule simulator; their inputs, the
+  per-layer model profiles (:mod:`~tf_blocksparse.pipeline.profile`) and the devices and
+  pairwise bandwidths (:mod:`~tf_blocksparse.pipeline.topology`).
+- :mod:`tf_blocksparse.hybrid`: memory-aware conv/FC placement on devices and
   expanded memory.
+
+The cost models of the exchange itself, which the core and the automatic exchange use, live
+here:
+
 - :mod:`~tf_blocksparse.planning.link_cost`: the one cost model of the exchange modes
   (collectives as ``latency + bytes * seconds_per_byte``, each mode's collectives per step)
   and the mode names.
@@ -17,8 +24,9 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
   measured collective and compression times.
 - :mod:`~tf_blocksparse.planning.scaling`: projected scaling efficiency, the cost model's
   links derived from Hockney's alpha-beta ring model.
-- Shared inputs: :mod:`~tf_blocksparse.pipeline.profile` (per-layer model profiles) and
-  :mod:`~tf_blocksparse.pipeline.topology` (devices and pairwise bandwidths).
+
+Importing a product package (``tf_blocksparse.fusion``, ``.pipeline``, ``.hybrid``) loads its
+planner only; ``tests/test_architecture.py`` checks that every planner stays TensorFlow-free.
 """
 
 from tf_blocksparse.fusion import (
