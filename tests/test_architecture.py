@@ -3,20 +3,21 @@
 The package is a compression core, TensorFlow-free planners, and runtimes over the core: the
 strategy adapters (``distribute/``), the products that carry their own planner and runtime
 (``fusion/``, ``pipeline/``, ``hybrid/``), the step-based trainers' shared ``runtime/``, the
-Keras integration (``keras/``, ``auto/``) and the launcher.
+Keras integration (``keras/``, ``auto/``), the notebooks' ``extras/`` and the launcher.
 
-- A *planner* is any module that ``tf_blocksparse.planning`` (the planners' public names) or a
-  product package's ``__init__`` (``tf_blocksparse.fusion``, ``tf_blocksparse.pipeline``,
-  ``tf_blocksparse.hybrid``) loads, and every module of ``planning/``, wherever it lives:
-  it imports no TensorFlow, Keras, repository script or non-planner module of the package
-  (checked on the source, and in a fresh interpreter).
+- Planners are TensorFlow-free wherever they live.  A *planner* is every module of
+  ``planning/`` and every module that ``tf_blocksparse.planning`` (the planners' public names)
+  or a product package's ``__init__`` (``tf_blocksparse.fusion``, ``tf_blocksparse.pipeline``,
+  ``tf_blocksparse.hybrid``) loads: it imports no TensorFlow, Keras, repository script or
+  non-planner module of the package (checked on the source, and in a fresh interpreter).
 - Dependencies point inward: every module imports its own layer and lower ones only
   (:data:`LAYERS`), with no exception; core modules (``tf_blocksparse/*.py``) import only the
   core and the planners, and no Keras.
 - The runtimes (``distribute/``, ``runtime/`` and the products' runtimes) do not import the
   Keras integration (``tf_blocksparse.keras``, ``tf_blocksparse.auto``): the exchange shells
   share the core's hooks, not the optimizer wrapper's code.
-- No module of the package imports the repository's ``launch/`` or ``models/``.
+- No module of the package imports the repository's ``launch/`` or ``models/``, and none but
+  its own imports ``extras/`` (the notebooks' helpers).
 - The package's import graph (imports inside functions included) has no cycle.
 - Private TensorFlow / Keras APIs (``keras.src``, ``tf.__internal__``, ``tensorflow.python``,
   underscore attributes of other objects) are used only in ``tf_blocksparse/_compat.py``.
@@ -201,6 +202,13 @@ def test_the_package_imports_no_repository_scripts(path):
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 
+def test_no_module_imports_the_notebooks_extras():
+    """``extras/`` (the run-length codec the notebooks compare) is outside the exchange."""
+    bad = {m for m, targets in GRAPH.items() if not _under(m, ("tf_blocksparse.extras",))
+           and any(_under(t, ("tf_blocksparse.extras",)) for t in targets)}
+    assert not bad, sorted(bad)
+
+
 def test_importing_the_planners_loads_no_tensorflow():
     code = ("import sys, tf_blocksparse.planning as p; p.plan_backward; "
             + "".join(f"import {m}; " for m in PLANNER_ROOTS)
@@ -317,14 +325,15 @@ def test_the_cycle_check_can_fail():
 LAYERS = (
     ("planners",),                          # TensorFlow-free planners, wherever they live
     ("core", "compat", "kernels"),          # the compression core over collectives
-    ("distribute", "fusion", "runtime"),    # strategy adapters, the fusion runtime, the
-                                            # step-based trainers' shared runtime
+    ("distribute", "fusion", "runtime",     # strategy adapters, the fusion runtime, the
+     "extras"),                             # step-based trainers' shared runtime, the
+                                            # notebooks' helpers
     ("pipeline", "hybrid"),                 # the pipeline and hybrid runtimes
     ("auto", "keras"),                      # the Keras integration
     ("launcher",),                          # the process launcher (standard library)
 )
-FOLDERS = ("kernels", "distribute", "fusion", "runtime", "pipeline", "hybrid", "auto", "keras",
-           "launcher")
+FOLDERS = ("kernels", "distribute", "fusion", "runtime", "extras", "pipeline", "hybrid", "auto",
+           "keras", "launcher")
 
 
 def _group(module: str) -> str | None:
