@@ -463,6 +463,7 @@ ANATOMY = [
 
         import tf_blocksparse as tfbs
         from tf_blocksparse import blocks, codec, selection
+        from tf_blocksparse.extras import run_length
 
         print("TensorFlow", tf.__version__)
     '''),
@@ -710,16 +711,16 @@ ANATOMY = [
     md('''
         ## Run-length codec sizes
 
-        `codec.rle_encode` drops the zero runs of a tensor (4-byte header, int32 start and
-        length per run, then the non-zero values).  Applied to the block update in the
-        variable's own layout, a filter or unit block is strided (one entry per row of a Dense
-        kernel), so it costs a run per row.  In the block-major view (`[blocks, outer * inner]`,
-        one transpose) each selected block is contiguous, and RLE comes close to the block
-        payload (ids plus values); what it still adds comes from zeros inside the blocks (an
-        input that was zero for the whole batch, e.g. after a ReLU, gives a zero weight
-        gradient), each of which splits a run.  Element updates are scattered: about one run
-        per value.  `codec.rle_decode` restores every tensor exactly, and `codec.rle_encode_tf`
-        (usable inside a `tf.function`) finds the same runs.
+        `run_length.rle_encode` drops the zero runs of a tensor (4-byte header, int32 start and
+        length per run, then the non-zero values).  Applied to the block update in the variable's
+        own layout, a filter or unit block is strided (one entry per row of a Dense kernel), so it
+        costs a run per row.  In the block-major view (`[blocks, outer * inner]`, one transpose)
+        each selected block is contiguous, and RLE comes close to the block payload (ids plus
+        values); what it still adds comes from zeros inside the blocks (an input that was zero for
+        the whole batch, e.g. after a ReLU, gives a zero weight gradient), each of which splits a
+        run.  Element updates are scattered: about one run per value.  `run_length.rle_decode`
+        restores every tensor exactly, and `run_length.rle_encode_tf` (usable inside a
+        `tf.function`) finds the same runs.
     '''),
     code('''
         def block_major(x, lay):
@@ -734,16 +735,16 @@ ANATOMY = [
         rows = []
         for j, (name, lay) in enumerate(zip(names, layouts)):
             b, e = sent[j].numpy(), element_sent[j].numpy()
-            rle_b, rle_e = codec.rle_encode(b), codec.rle_encode(e)
-            rle_major = codec.rle_encode(block_major(b, lay))
-            assert np.array_equal(codec.rle_decode(rle_b), b)
-            assert np.array_equal(codec.rle_decode(rle_e), e)
-            starts, lengths, values = codec.rle_encode_tf(tf.constant(b))
+            rle_b, rle_e = run_length.rle_encode(b), run_length.rle_encode(e)
+            rle_major = run_length.rle_encode(block_major(b, lay))
+            assert np.array_equal(run_length.rle_decode(rle_b), b)
+            assert np.array_equal(run_length.rle_decode(rle_e), e)
+            starts, lengths, values = run_length.rle_encode_tf(tf.constant(b))
             assert np.array_equal(starts.numpy(), rle_b.starts)
             assert np.array_equal(values.numpy(), rle_b.values)
             rows.append((name, codec.dense_nbytes(b.shape, b.dtype), nbytes_of(payload, j),
-                         codec.rle_nbytes(rle_b), codec.rle_nbytes(rle_major),
-                         nbytes_of(element_payload, j), codec.rle_nbytes(rle_e)))
+                         run_length.rle_nbytes(rle_b), run_length.rle_nbytes(rle_major),
+                         nbytes_of(element_payload, j), run_length.rle_nbytes(rle_e)))
         header = ("variable", "dense", "block", "block RLE", "block-major RLE", "element",
                   "element RLE")
         print("  ".join(f"{h:>15s}" for h in header))
@@ -1098,8 +1099,8 @@ HYBRID = [
         import tensorflow as tf
 
         from tf_blocksparse import HybridTrainer, find_boundary, split_model
-        from tf_blocksparse.keras.hybrid_split import layer_memory
-        from tf_blocksparse.keras.profiler import measure_layers
+        from tf_blocksparse.hybrid.split import layer_memory
+        from tf_blocksparse.pipeline.profiler import measure_layers
         from tf_blocksparse.planning import MemoryBudget, evaluate_placement, plan_placement
     ''', logical_cpus(4, "2 conv replicas, 1 FC replica, expanded memory")),
     md('''

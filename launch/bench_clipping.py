@@ -109,7 +109,7 @@ from launch.clipping_variants import (
 )
 from models.registry import build_image_model
 from tf_blocksparse.distribute.strategy import cross_device_ops
-from tf_blocksparse.planning.fusion import plan_backward
+from tf_blocksparse.fusion import plan_backward
 
 FLAGS = flags.FLAGS
 MODELS = ("resnet20", "cnn_bn")

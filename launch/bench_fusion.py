@@ -5,7 +5,7 @@ Prints one JSON object (all in one process) with:
 ``plans``
     For each variable set (``keras.applications`` ResNet-50 / VGG-16, ``weights=None``, float32
     bytes; execution order *derived* from a trace of the forward pass, the reverse of the order
-    it first reads the variables, :mod:`tf_blocksparse.distribute.forward_order`; every method gets
+    it first reads the variables, :mod:`tf_blocksparse.fusion.forward_order`; every method gets
     that same order) and each ``--buffer_mib``: every method of
     :func:`~tf_blocksparse.planning.compare_plans` (groups, largest / smallest bytes,
     imbalance, ``imbalance_excluding_oversized``: groups holding a tensor that fills the buffer
@@ -28,7 +28,7 @@ Prints one JSON object (all in one process) with:
     ``per_tensor`` (one ``all_reduce`` per gradient), ``tf_default`` (one batched
     ``all_reduce``: TF packs everything), ``tf_bytes_per_pack`` (the same with
     ``bytes_per_pack=--pack_mib``) and ``balanced`` (one ``all_reduce`` per
-    :func:`~tf_blocksparse.planning.fusion.plan_balanced` group: concat, reduce, split).
+    :func:`~tf_blocksparse.fusion.plan_balanced` group: concat, reduce, split).
 
 Non-finite ratios (a group of 0 bytes) are written as ``null``.  ``--sections=plans`` runs
 only the (quick, CPU-light) plans section.

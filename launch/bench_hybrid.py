@@ -4,7 +4,7 @@
 
 ``vgg_fc`` (``--image_size`` x ``--image_size`` x 1, ``--fc_units``-wide head; with the defaults
 the head holds ~98% of the parameters) is split at its conv/FC boundary and profiled layer by
-layer at the global batch (:func:`~tf_blocksparse.keras.profiler.measure_layers`).  The placement
+layer at the global batch (:func:`~tf_blocksparse.pipeline.profiler.measure_layers`).  The placement
 planner gets a per-device budget of ``--device_memory_budget`` MiB, smaller than what the head
 needs on the device (weights, gradients, momentum), and offloads head layers to host memory
 (the expanded-memory emulation).  Then :class:`~tf_blocksparse.HybridTrainer`
@@ -119,10 +119,10 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
 
     from models import registry
     from models.vgg import head_fraction
-    from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
-    from tf_blocksparse.keras.hybrid_split import layer_memory
-    from tf_blocksparse.keras.profiler import measure_layers
-    from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
+    from tf_blocksparse.hybrid import MemoryBudget, evaluate_placement, plan_placement
+    from tf_blocksparse.hybrid.split import layer_memory
+    from tf_blocksparse.hybrid.trainer import HybridTrainer
+    from tf_blocksparse.pipeline.profiler import measure_layers
 
     shape = (f.image_size, f.image_size, 1)
 

@@ -11,7 +11,7 @@ Prints one JSON object with:
     figure is reported as ``cross_device_identity``), so the topology uses a same-memory copy
     (``x + 1`` into a fresh buffer: one read, one write).  The plan of
     :func:`~tf_blocksparse.planning.plan_pipeline` runs with
-    :class:`~tf_blocksparse.distribute.pipeline_trainer.PipelineTrainer` (median ``train_step`` time
+    :class:`~tf_blocksparse.pipeline.trainer.PipelineTrainer` (median ``train_step`` time
     over ``--steps`` after ``--warmup_steps``) next to the bandwidth-oblivious plan (one stage
     per device) and a one-stage one-device run of the same trainer, each beside the makespan
     :func:`~tf_blocksparse.planning.simulate_pipeline` predicts (GPipe schedule).  On a CPU
@@ -48,8 +48,8 @@ from absl import flags
 
 from launch import runtime, script
 from models.registry import build_model
-from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
-from tf_blocksparse.keras.profiler import profile_model
+from tf_blocksparse.pipeline.profiler import profile_model
+from tf_blocksparse.pipeline.trainer import PipelineTrainer
 from tf_blocksparse.planning import (
     ModelProfile,
     PipelinePlan,

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 
 from models.registry import build_image_model
-from tf_blocksparse.distribute.forward_order import derive_execution_order
+from tf_blocksparse.fusion.forward_order import derive_execution_order
 from tf_blocksparse.planning import (
     FusionPlan,
     TensorSpec,

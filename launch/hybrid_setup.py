@@ -27,7 +27,7 @@ def cluster_devices(conv: int, fc: int, fc_state_task: int) -> dict[str, Any]:
     ``I..I+J-1``, the FC state on ``fc_state_task`` (-1: task ``I``); the data-parallel
     reference on ``I`` logical CPUs of this client (made before connecting)."""
 
-    from tf_blocksparse.distribute import remote
+    from tf_blocksparse.runtime import remote
 
     runtime.logical_cpus(conv)
     workers = remote.connect(remote.cluster_from_env())
@@ -115,8 +115,8 @@ def train_data_parallel(make_model: Callable[[], Any], weights: Sequence[Any],
     import tensorflow as tf
 
     import tf_blocksparse as tfbs
-    from tf_blocksparse.distribute.hybrid_sync import check_compression
-    from tf_blocksparse.distribute.slicing import split_sizes
+    from tf_blocksparse.hybrid.sync import check_compression
+    from tf_blocksparse.runtime.slicing import split_sizes
 
     ops = None
     if strategy is None:

@@ -95,7 +95,7 @@ def profile_registry_model(model: str, input_shape: Sequence[int], num_classes: 
                            seed: int) -> ModelProfile:
     """Builds ``model`` and profiles it at ``batch_size`` (inputs [batch_size, *input_shape])."""
     from models.registry import build_model
-    from tf_blocksparse.keras.profiler import profile_model
+    from tf_blocksparse.pipeline.profiler import profile_model
 
     keras_model = build_model(model, tuple(input_shape), num_classes, seed=seed)
     return profile_model(keras_model, tuple(input_shape), batch_size, warmup=warmup,

@@ -5,8 +5,8 @@
 
 The model is split at its conv/FC boundary (or at ``--split_layer``, the first head layer);
 ``--conv_replicas`` replicas train the trunk and ``--fc_replicas`` replicas the head
-(:class:`~tf_blocksparse.distribute.hybrid_trainer.HybridTrainer`).  The placement planner
-(:func:`~tf_blocksparse.planning.placement.plan_placement`) decides from
+(:class:`~tf_blocksparse.hybrid.trainer.HybridTrainer`).  The placement planner
+(:func:`~tf_blocksparse.hybrid.plan_placement`) decides from
 ``--device_memory_budget`` / ``--expanded_memory_budget`` (MiB per device / per node, 0 = no
 limit) which layers keep their variables and optimizer state in host memory (``--offload=plan``;
 ``fc`` always offloads the head, ``none`` never).  Devices: on a GPU host the replicas share the
@@ -146,9 +146,9 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
 
     from launch import inputs
     from models import registry
-    from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
-    from tf_blocksparse.keras.hybrid_split import layer_memory
-    from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
+    from tf_blocksparse.hybrid import MemoryBudget, evaluate_placement, plan_placement
+    from tf_blocksparse.hybrid.split import layer_memory
+    from tf_blocksparse.hybrid.trainer import HybridTrainer
 
     arrays = inputs.load_arrays(f.dataset, f.model, f.data_dir, f.tfds_data_dir,
                                   f.synthetic_shape, f.train_samples, f.seed)
@@ -165,7 +165,7 @@ def run(f: Any = FLAGS) -> dict[str, Any]:
     budgets = {k: v * MIB if v else math.inf for k, v in mib.items()}
     compute_s = None
     if f.profile_layers:
-        from tf_blocksparse.keras.profiler import measure_layers
+        from tf_blocksparse.pipeline.profiler import measure_layers
 
         compute_s = {m.name: m.compute_s for m in measure_layers(
             model, batch_size=f.batch_size, allow_non_chain=True, warmup=1, repeats=3)}
@@ -291,7 +291,7 @@ def launch_cluster(f: Any) -> int:
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from tf_blocksparse.distribute import remote
+    from tf_blocksparse.runtime import remote
 
     if FLAGS.workers and remote.cluster_from_env() is None:
         return launch_cluster(FLAGS)

@@ -9,7 +9,7 @@ its own network namespace, with the link from worker ``i`` to worker ``j`` shape
 ``--worker_cpus`` CPUs per worker (:class:`launch.cluster.tf_cluster.ServerCluster`), and re-runs
 itself as the *client* inside the cluster.  The client
 
-1. connects to the workers (:func:`tf_blocksparse.distribute.remote.connect`);
+1. connects to the workers (:func:`tf_blocksparse.runtime.remote.connect`);
 2. profiles ``--model`` layer by layer at the micro-batch size under the same CPU quota;
 3. plans with the bandwidth-aware DP (``plan_pipeline``), PipeDream (``plan_pipedream``) and
    the bandwidth-oblivious split (``plan_oblivious``) on the shaped rates;
@@ -140,8 +140,8 @@ def run_client(f: Any) -> dict:
     from launch.plan_pipeline import DATASET_SHAPES, plan_all
     from models.registry import build_model
     from tf_blocksparse import PipelineTrainer, profile_model
-    from tf_blocksparse.distribute import remote
     from tf_blocksparse.planning import simulate_pipeline
+    from tf_blocksparse.runtime import remote
 
     devices = remote.connect(remote.cluster_from_env())
     rates = pair_rates(f)
@@ -211,7 +211,7 @@ def keep_run(path: str, key: str, record: dict) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from tf_blocksparse.distribute import remote
+    from tf_blocksparse.runtime import remote
 
     f = FLAGS
     if remote.cluster_from_env() is not None:  # the client, inside the cluster

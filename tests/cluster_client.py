@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
-from tf_blocksparse.distribute import remote
+from tf_blocksparse.runtime import remote
 
 
 def _model(seed: int) -> keras.Model:

@@ -1,14 +1,23 @@
 """Architecture rules of the whole package, checked on the source.
 
-- Dependencies point inward: core modules (``tf_blocksparse/*.py``) import no adapter
-  (``tf_blocksparse.keras``, ``tf_blocksparse.distribute``, ``tf_blocksparse.auto``), no
-  Keras and nothing of the repository's ``launch/`` or ``models/``; adapters import neither
-  ``launch`` nor ``models``.
-- ``tf_blocksparse.distribute`` does not import the Keras adapter (``tf_blocksparse.keras``):
-  the exchange shells share the core's hooks, not the optimizer wrapper's code; only the two
-  trainers that split or profile a Keras model (hybrid, pipeline) reuse its model helpers.
-- ``tf_blocksparse.planning`` imports no TensorFlow, Keras or adapter, directly or through the
-  package (checked in a fresh interpreter too).
+The package is a compression core, TensorFlow-free planners, and runtimes over the core: the
+strategy adapters (``distribute/``), the products that carry their own planner and runtime
+(``fusion/``, ``pipeline/``, ``hybrid/``), the step-based trainers' shared ``runtime/``, the
+Keras integration (``keras/``, ``auto/``), the notebooks' ``extras/`` and the launcher.
+
+- Planners are TensorFlow-free wherever they live.  A *planner* is every module of
+  ``planning/`` and every module that ``tf_blocksparse.planning`` (the planners' public names)
+  or a product package's ``__init__`` (``tf_blocksparse.fusion``, ``tf_blocksparse.pipeline``,
+  ``tf_blocksparse.hybrid``) loads: it imports no TensorFlow, Keras, repository script or
+  non-planner module of the package (checked on the source, and in a fresh interpreter).
+- Dependencies point inward: every module imports its own layer and lower ones only
+  (:data:`LAYERS`), with no exception; core modules (``tf_blocksparse/*.py``) import only the
+  core and the planners, and no Keras.
+- The runtimes (``distribute/``, ``runtime/`` and the products' runtimes) do not import the
+  Keras integration (``tf_blocksparse.keras``, ``tf_blocksparse.auto``): the exchange shells
+  share the core's hooks, not the optimizer wrapper's code.
+- No module of the package imports the repository's ``launch/`` or ``models/``, and none but
+  its own imports ``extras/`` (the notebooks' helpers).
 - The package's import graph (imports inside functions included) has no cycle.
 - Private TensorFlow / Keras APIs (``keras.src``, ``tf.__internal__``, ``tensorflow.python``,
   underscore attributes of other objects) are used only in ``tf_blocksparse/_compat.py``.
@@ -30,10 +39,15 @@ from tests.versions import reads_keras_315_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "tf_blocksparse"
-ADAPTERS = ("tf_blocksparse.keras", "tf_blocksparse.distribute", "tf_blocksparse.auto")
 REPO_ONLY = ("launch", "models")
 COMPAT = PKG / "_compat.py"
 PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.tsl", "tensorflow.core")
+#: The packages whose import is TensorFlow-free: the planners' public names and each product's
+#: planner (a product package's ``__init__`` imports its planner only, never its runtime).
+PLANNER_ROOTS = ("tf_blocksparse.planning", "tf_blocksparse.fusion", "tf_blocksparse.pipeline",
+                 "tf_blocksparse.hybrid")
+#: The Keras integration, which no runtime imports.
+KERAS_INTEGRATION = ("tf_blocksparse.keras", "tf_blocksparse.auto")
 
 
 def _rel(path: pathlib.Path) -> str:
@@ -55,16 +69,113 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every ``tf_blocksparse`` module -> the package's modules it imports anywhere in its
+    source (at the top, inside functions or under ``if``): ``from package import module``
+    counts as importing the module, a relative import is resolved."""
+    paths = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    targets.add(full if full in paths else base)
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _planners(graph: dict[str, set[str]]) -> set[str]:
+    """The planner modules: every module of ``planning/`` and what :data:`PLANNER_ROOTS` load,
+    however indirectly."""
+    found: set[str] = set()
+    todo = [m for m in graph if _under(m, ("tf_blocksparse.planning",))] + list(PLANNER_ROOTS)
+    while todo:
+        module = todo.pop()
+        if module not in found:
+            found.add(module)
+            todo.extend(graph[module])
+    return found
+
+
+GRAPH = _import_graph()
+PLANNERS = _planners(GRAPH)
+PATHS = {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def _files(modules) -> list[pathlib.Path]:
+    return sorted(PATHS[m] for m in modules)
+
+
 CORE = sorted(p for p in PKG.glob("*.py") if p.name not in ("__init__.py", "_compat.py"))
-PLANNING = sorted((PKG / "planning").rglob("*.py"))
-ADAPTER_FILES = sorted(p for d in ("keras", "distribute", "auto") for p in (PKG / d).rglob("*.py"))
+#: The runtimes over the core: the strategy adapters, the shared trainer runtime and every
+#: module of a product package that is not its planner.
+RUNTIMES = sorted(m for m in GRAPH if m not in PLANNERS and _under(m, (
+    "tf_blocksparse.distribute", "tf_blocksparse.runtime", "tf_blocksparse.fusion",
+    "tf_blocksparse.pipeline", "tf_blocksparse.hybrid")))
 REPO_PY = sorted(p for d in ("tf_blocksparse", "launch", "models")
                  for p in (ROOT / d).rglob("*.py"))
 
 
+def test_the_planners_are_found():
+    """Each product's planner is a planner and its runtime is not (the checks below see
+    them)."""
+    for module in ("planning.scaling", "planning.link_cost", "fusion", "fusion.balanced",
+                   "pipeline", "pipeline.partition", "pipeline.profile", "pipeline.topology",
+                   "hybrid", "hybrid.planner", "hybrid.memory"):
+        assert f"tf_blocksparse.{module}" in PLANNERS, module
+    for module in ("fusion.forward_order", "pipeline.profiler", "pipeline.trainer",
+                   "pipeline.stages", "hybrid.split", "hybrid.sync", "hybrid.trainer"):
+        assert f"tf_blocksparse.{module}" in RUNTIMES, module
+
+
 @pytest.mark.parametrize("path", CORE, ids=_rel)
-def test_core_imports_no_adapter(path):
-    bad = {n for n in _imports(path) if _under(n, (*ADAPTERS, *REPO_ONLY, "keras"))}
+def test_core_imports_only_the_core_and_the_planners(path):
+    bad = {n for n in _imports(path) if _under(n, (*REPO_ONLY, "keras"))}
+    bad |= {m for m in GRAPH[_module_name(path)]
+            if _group(m) not in ("core", "compat", "kernels", "planners")}
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 
@@ -74,37 +185,36 @@ def test_block_rule_table_and_options_are_tensorflow_free():
         assert not bad, f"tf_blocksparse/{name} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("path", PLANNING, ids=_rel)
-def test_planning_is_tensorflow_free(path):
-    allowed_core = ("tf_blocksparse.planning",)
-    bad = {n for n in _imports(path)
-           if _under(n, ("tensorflow", "keras", *REPO_ONLY))
-           or (n.startswith("tf_blocksparse") and not _under(n, allowed_core)
-               and n != "tf_blocksparse")}
+@pytest.mark.parametrize("path", _files(PLANNERS), ids=_rel)
+def test_planners_are_tensorflow_free(path):
+    bad = {n for n in _imports(path) if _under(n, ("tensorflow", "keras", *REPO_ONLY))}
+    bad |= {m for m in GRAPH[_module_name(path)] if m not in PLANNERS}
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 
-#: The trainers that split or profile a Keras model with the Keras adapter's helpers.
-KERAS_MODEL_TRAINERS = ("hybrid_trainer.py", "pipeline_trainer.py")
-DISTRIBUTE_FILES = sorted(p for p in (PKG / "distribute").rglob("*.py")
-                          if p.name not in KERAS_MODEL_TRAINERS)
-
-
-@pytest.mark.parametrize("path", DISTRIBUTE_FILES, ids=_rel)
-def test_distribute_imports_no_keras_adapter(path):
-    bad = {n for n in _imports(path) if _under(n, ("tf_blocksparse.keras",))}
+@pytest.mark.parametrize("path", _files(RUNTIMES), ids=_rel)
+def test_runtimes_import_no_keras_integration(path):
+    bad = {m for m in GRAPH[_module_name(path)] if _under(m, KERAS_INTEGRATION)}
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 
-@pytest.mark.parametrize("path", ADAPTER_FILES, ids=_rel)
-def test_adapters_import_no_repository_scripts(path):
+@pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=_rel)
+def test_the_package_imports_no_repository_scripts(path):
     bad = {n for n in _imports(path) if _under(n, REPO_ONLY)}
     assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 
-def test_importing_planning_loads_no_tensorflow():
+def test_no_module_imports_the_notebooks_extras():
+    """``extras/`` (the run-length codec the notebooks compare) is outside the exchange."""
+    bad = {m for m, targets in GRAPH.items() if not _under(m, ("tf_blocksparse.extras",))
+           and any(_under(t, ("tf_blocksparse.extras",)) for t in targets)}
+    assert not bad, sorted(bad)
+
+
+def test_importing_the_planners_loads_no_tensorflow():
     code = ("import sys, tf_blocksparse.planning as p; p.plan_backward; "
-            "bad = [m for m in ('tensorflow', 'keras') if m in sys.modules]; "
+            + "".join(f"import {m}; " for m in PLANNER_ROOTS)
+            + "bad = [m for m in ('tensorflow', 'keras') if m in sys.modules]; "
             "assert not bad, bad")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -233,64 +343,6 @@ def test_the_compat_import_check_can_fail():
     assert not _compat_imports(ast.parse("from tf_blocksparse import timing, compat_x"))
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _import_graph() -> dict[str, set[str]]:
-    """Every ``tf_blocksparse`` module -> the package's modules it imports anywhere in its
-    source (at the top, inside functions or under ``if``): ``from package import module``
-    counts as importing the module, a relative import is resolved."""
-    paths = {_module_name(p): p for p in PKG.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in paths.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join([*up, *([node.module] if node.module else [])])
-                for a in node.names:
-                    full = f"{base}.{a.name}"
-                    targets.add(full if full in paths else base)
-        graph[name] = {t for t in targets if t in paths and t != name}
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = [stack.pop()]
-            while component[-1] != v:
-                component.append(stack.pop())
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
 def test_the_package_has_no_import_cycle():
     """No module of ``tf_blocksparse`` imports, however indirectly, one that imports it back;
     imports inside functions count (they would only hide a cycle)."""
@@ -308,19 +360,17 @@ def test_the_cycle_check_can_fail():
 
 #: The package's layers, lowest first: a module may import its own layer and lower ones.
 LAYERS = (
-    ("planning",),                               # TensorFlow-free planners and cost models
-    ("core", "compat", "kernels"),               # the compression core over collectives
-    ("distribute",),                             # strategy adapters and custom runtimes
-    ("auto", "keras"),                           # the Keras integration
-    ("launcher",),                               # the process launcher (standard library)
+    ("planners",),                          # TensorFlow-free planners, wherever they live
+    ("core", "compat", "kernels"),          # the compression core over collectives
+    ("distribute", "fusion", "runtime",     # strategy adapters, the fusion runtime, the
+     "extras"),                             # step-based trainers' shared runtime, the
+                                            # notebooks' helpers
+    ("pipeline", "hybrid"),                 # the pipeline and hybrid runtimes
+    ("auto", "keras"),                      # the Keras integration
+    ("launcher",),                          # the process launcher (standard library)
 )
-#: Upward imports that exist today, each with its reason: the two custom trainers reuse the
-#: Keras integration's model helpers (splitting a model, profiling its layers).  Nothing may
-#: be added here without a line in docs/architecture.md.
-UPWARD_EXCEPTIONS = {
-    ("distribute.hybrid_trainer", "keras.hybrid_split"),
-    ("distribute.pipeline_trainer", "keras.profiler"),
-}
+FOLDERS = ("kernels", "distribute", "fusion", "runtime", "extras", "pipeline", "hybrid", "auto",
+           "keras", "launcher")
 
 
 def _group(module: str) -> str | None:
@@ -329,7 +379,9 @@ def _group(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) == 1:
         return None
-    if parts[1] in ("planning", "distribute", "auto", "keras", "launcher", "kernels"):
+    if module in PLANNERS:
+        return "planners"
+    if parts[1] in FOLDERS:
         return parts[1]
     return "compat" if parts[1] == "_compat" else "core"
 
@@ -349,14 +401,14 @@ def _upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 
 def test_imports_follow_the_layer_order():
-    """No module imports a higher layer (docs/architecture.md), apart from the listed
-    exceptions, which must all still exist (a resolved one is taken off the list)."""
-    upward = _upward_imports(_import_graph())
-    assert upward - UPWARD_EXCEPTIONS == set(), sorted(upward - UPWARD_EXCEPTIONS)
-    assert UPWARD_EXCEPTIONS <= upward, sorted(UPWARD_EXCEPTIONS - upward)
+    """No module imports a higher layer (docs/architecture.md), with no exception."""
+    upward = _upward_imports(GRAPH)
+    assert upward == set(), sorted(upward)
 
 
 def test_the_layer_check_can_fail():
     graph = {"tf_blocksparse.exchange": {"tf_blocksparse.keras.optimizer"},
-             "tf_blocksparse.keras.optimizer": {"tf_blocksparse.exchange"}}
-    assert _upward_imports(graph) == {("exchange", "keras.optimizer")}
+             "tf_blocksparse.keras.optimizer": {"tf_blocksparse.exchange"},
+             "tf_blocksparse.fusion.plan": {"tf_blocksparse.fusion.forward_order"}}
+    assert _upward_imports(graph) == {("exchange", "keras.optimizer"),
+                                      ("fusion.plan", "fusion.forward_order")}

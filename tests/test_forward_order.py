@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tests.test_optimizer import train_lazily
-from tf_blocksparse.distribute.forward_order import (
+from tf_blocksparse.fusion.forward_order import (
     backward_ranks,
     derive_execution_order,
     forward_use_order,

@@ -26,7 +26,9 @@ from tf_blocksparse.planning import (
     simulate_greedy_cycles,
 )
 
-PLANNING = pathlib.Path(__file__).resolve().parents[1] / "tf_blocksparse" / "planning"
+FUSION = pathlib.Path(__file__).resolve().parents[1] / "tf_blocksparse" / "fusion"
+#: The fusion runtime (TensorFlow): not part of the planner.
+RUNTIME = ("forward_order",)
 FAST = settings(max_examples=50, deadline=None)
 
 
@@ -346,26 +348,25 @@ def test_simulate_all_ready_at_once_gives_plan_groups():
     assert sim["collectives"] == len(plan.groups) and sim["last_start_s"] == 0.0
 
 
-def test_planning_modules_do_not_import_tensorflow():
-    # The parent package's __init__ imports TF; stub it so only planning/ itself is loaded,
-    # then import every module of planning/ and its subpackages.
+def test_fusion_planner_does_not_import_tensorflow():
+    # The parent package's __init__ imports the planners of every product; stub it so only
+    # fusion/ itself is loaded, then check that importing it loads every planner module of
+    # fusion/ (all but its runtime, forward_order) and no TensorFlow or Keras.
     code = (
-        "import importlib, pkgutil, sys, types\n"
-        f"pkg = types.ModuleType('tf_blocksparse'); pkg.__path__ = [{str(PLANNING.parent)!r}]\n"
+        "import sys, types\n"
+        f"pkg = types.ModuleType('tf_blocksparse'); pkg.__path__ = [{str(FUSION.parent)!r}]\n"
         "sys.modules['tf_blocksparse'] = pkg\n"
-        "import tf_blocksparse.planning as P\n"
-        "names = [m.name for m in pkgutil.walk_packages(P.__path__, 'tf_blocksparse.planning.')]\n"
-        "for name in names:\n"
-        "    importlib.import_module(name)\n"
-        "assert 'tf_blocksparse.planning.fusion.balanced' in names, names\n"
+        "import tf_blocksparse.fusion\n"
+        "names = sorted(m for m in sys.modules if m.startswith('tf_blocksparse.'))\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
         "assert not bad, bad\n"
-        "print(len(names))\n"
+        "print(' '.join(names))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
                          capture_output=True, text=True)
-    paths = sorted(PLANNING.rglob("*.py"))
-    assert int(out.stdout) == len(paths) - 1  # every module but planning/__init__.py
+    paths = sorted(p for p in FUSION.glob("*.py") if p.stem not in RUNTIME)
+    assert out.stdout.split() == sorted(
+        "tf_blocksparse.fusion" + ("" if p.stem == "__init__" else f".{p.stem}") for p in paths)
     for path in paths:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -373,9 +374,12 @@ def test_planning_modules_do_not_import_tensorflow():
                 roots = [a.name.split(".")[0] for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 roots = [(node.module or "").split(".")[0]]
-                if node.level == 0 and node.module and node.module.startswith("tf_blocksparse"):
-                    # within the package, planning may only import planning
-                    assert node.module.startswith("tf_blocksparse.planning"), (path, node.module)
+                parts = (node.module or "").split(".") if node.level == 0 else \
+                    ["tf_blocksparse", "fusion", *(node.module or "").split(".")[:1]]
+                if parts[0] == "tf_blocksparse":
+                    # within the package, the planner may only import the planner
+                    assert parts[1:2] == ["fusion"] and parts[2:3] not in (
+                        [r] for r in RUNTIME), (path, node.module)
             else:
                 continue
             assert not {"tensorflow", "keras"} & set(roots), (path, roots)

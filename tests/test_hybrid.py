@@ -20,10 +20,10 @@ import tensorflow as tf
 
 from launch.hybrid_setup import train_data_parallel
 from models.vgg import vgg_fc
-from tf_blocksparse.distribute.hybrid_sync import ancestors
-from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
-from tf_blocksparse.keras.hybrid_split import find_boundary, layer_memory, split_model
-from tf_blocksparse.planning.placement import MemoryBudget, evaluate_placement, plan_placement
+from tf_blocksparse.hybrid import MemoryBudget, evaluate_placement, plan_placement
+from tf_blocksparse.hybrid.split import find_boundary, layer_memory, split_model
+from tf_blocksparse.hybrid.sync import ancestors
+from tf_blocksparse.hybrid.trainer import HybridTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CPUS = ["/cpu:0", "/cpu:1"]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import tf_blocksparse as tfbs
-from tf_blocksparse.distribute.hybrid_sync import check_compression
-from tf_blocksparse.distribute.hybrid_trainer import HybridTrainer
+from tf_blocksparse.hybrid.sync import check_compression
+from tf_blocksparse.hybrid.trainer import HybridTrainer
 
 CPUS = ["/cpu:0", "/cpu:1"]
 

@@ -21,8 +21,8 @@ import pytest
 import tensorflow as tf
 
 from models.cnn import cnn_small
-from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
-from tf_blocksparse.keras.profiler import chain_layers, measure_layers, profile_model
+from tf_blocksparse.pipeline.profiler import chain_layers, measure_layers, profile_model
+from tf_blocksparse.pipeline.trainer import PipelineTrainer
 from tf_blocksparse.planning import Topology, plan_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ _FOUR_DEVICES = textwrap.dedent("""
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
     import keras, numpy as np
     from models.cnn import cnn_small
-    from tf_blocksparse.distribute.pipeline_trainer import PipelineTrainer
+    from tf_blocksparse.pipeline.trainer import PipelineTrainer
     model = cnn_small((8, 8, 1), 10, seed=0)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 8, 8, 1)).astype("float32")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tf_blocksparse.planning.placement import (
+from tf_blocksparse.hybrid import (
     LayerMemory,
     MemoryBudget,
     PlacementPlan,
@@ -149,13 +149,12 @@ def test_bad_layer_memory() -> None:
 
 
 def test_planner_imports_no_tensorflow() -> None:
-    # load planning/placement alone: stub the parent packages (their __init__s import TF
-    # adapters and NumPy); the placement modules use the standard library only
+    # load the hybrid package's planner alone: stub the parent package (its __init__ imports
+    # every planner, with NumPy); the placement modules use the standard library only
     code = ("import sys, types\n"
-            "for name, path in (('tf_blocksparse', 'tf_blocksparse'),\n"
-            "                   ('tf_blocksparse.planning', 'tf_blocksparse/planning')):\n"
-            "    pkg = types.ModuleType(name); pkg.__path__ = [path]; sys.modules[name] = pkg\n"
-            "import tf_blocksparse.planning.placement as P\n"
+            "pkg = types.ModuleType('tf_blocksparse'); pkg.__path__ = ['tf_blocksparse']\n"
+            "sys.modules['tf_blocksparse'] = pkg\n"
+            "import tf_blocksparse.hybrid as P\n"
             "assert P.plan_placement and P.evaluate_placement and P.PlacementPlan\n"
             "print(any(k.split('.')[0] in ('tensorflow', 'keras', 'numpy') for k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

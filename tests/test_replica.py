@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_blocksparse.distribute.replica import Replica, average_state, clone_optimizer
+from tf_blocksparse.runtime.replica import Replica, average_state, clone_optimizer
 
 CPUS = ["/cpu:0", "/cpu:1"]
 

@@ -1,6 +1,6 @@
 """The emulated cluster: per-pair shaped links, cgroup caps, TF worker servers and a client
 that trains across them (``launch/cluster/netem.py``, ``cgroups.py``, ``tf_cluster.py``,
-``tf_blocksparse.distribute.remote``).
+``tf_blocksparse.runtime.remote``).
 
 Tests that start worker processes on loopback need no root; shaping and caps do (skipped with
 the reason otherwise).
@@ -21,8 +21,8 @@ import pytest
 
 from launch.cluster import cgroups, netem, probe
 from launch.cluster.tf_cluster import ServerCluster, WorkerFailure, rates_topology, topology_rates
-from tf_blocksparse.distribute import remote
 from tf_blocksparse.planning import Topology
+from tf_blocksparse.runtime import remote
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = str(ROOT / "tests" / "cluster_client.py")

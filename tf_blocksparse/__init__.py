@@ -5,10 +5,12 @@ one options object), :mod:`~tf_blocksparse.selection`, :mod:`~tf_blocksparse.fee
 :mod:`~tf_blocksparse.codec`, :mod:`~tf_blocksparse.collectives`,
 :mod:`~tf_blocksparse.exchange` (the one exchange), :mod:`~tf_blocksparse.hooks` (its entry
 point per fusion bucket), :mod:`~tf_blocksparse.clipping`, and the
-TensorFlow-free planners of :mod:`tf_blocksparse.planning`.  Adapters:
-:mod:`tf_blocksparse.keras`, :mod:`tf_blocksparse.distribute` and the automatic exchange
-:mod:`tf_blocksparse.auto`.  The local multi-worker
-launcher :mod:`tf_blocksparse.launcher` is the command ``tfbs-run``.
+TensorFlow-free planners, whose public names :mod:`tf_blocksparse.planning` gathers.
+Products, each with its planner and its runtime: :mod:`tf_blocksparse.fusion`,
+:mod:`tf_blocksparse.pipeline` and :mod:`tf_blocksparse.hybrid` (the two trainers share
+:mod:`tf_blocksparse.runtime`).  Adapters: :mod:`tf_blocksparse.keras`,
+:mod:`tf_blocksparse.distribute` and the automatic exchange :mod:`tf_blocksparse.auto`.  The
+local multi-worker launcher :mod:`tf_blocksparse.launcher` is the command ``tfbs-run``.
 
 Importing the package imports no TensorFlow: the public names below are loaded on first
 use, so ``import tf_blocksparse.planning`` stays light.  Keras must still find
@@ -47,19 +49,19 @@ _EXPORTS = {
     "EvalResult": "tf_blocksparse.keras.evaluation",
     "ExactValidation": "tf_blocksparse.keras.evaluation",
     "FusedCrossDeviceOps": "tf_blocksparse.distribute.fused_ops",  # deprecated name
-    "HybridTrainer": "tf_blocksparse.distribute.hybrid_trainer",
+    "HybridTrainer": "tf_blocksparse.hybrid.trainer",
     "MomentumCorrection": "tf_blocksparse.keras.momentum",
     "MultiWorkerMirroredStrategy": "tf_blocksparse.distribute.strategy",
     "Payload": "tf_blocksparse.feedback",
-    "PipelineTrainer": "tf_blocksparse.distribute.pipeline_trainer",
+    "PipelineTrainer": "tf_blocksparse.pipeline.trainer",
     "block_table": "tf_blocksparse.blocks",
     "clipping": "tf_blocksparse.clipping",
     "evaluate_exactly": "tf_blocksparse.keras.evaluation",
-    "find_boundary": "tf_blocksparse.keras.hybrid_split",
+    "find_boundary": "tf_blocksparse.hybrid.split",
     "format_block_table": "tf_blocksparse.blocks",
-    "profile_model": "tf_blocksparse.keras.profiler",
+    "profile_model": "tf_blocksparse.pipeline.profiler",
     "save_model": "tf_blocksparse.keras.backup",
-    "split_model": "tf_blocksparse.keras.hybrid_split",
+    "split_model": "tf_blocksparse.hybrid.split",
 }
 #: Modules whose import registers Keras-serialisable classes.
 _KERAS_REGISTERED = ("tf_blocksparse.keras.optimizer",)

@@ -1,7 +1,7 @@
 """Bucketed exchange hooks: the one exchange entry point of every shell, per fusion bucket.
 
 In the manner of PyTorch's ``ddp_comm_hooks``: a gradient batch is cut into
-:class:`Bucket`\\ s (the groups of a balanced fusion plan, :mod:`tf_blocksparse.planning.fusion`,
+:class:`Bucket`\\ s (the groups of a balanced fusion plan, :mod:`tf_blocksparse.fusion`,
 or one bucket of every variable when there is no plan), and an exchange hook
 ``hook(state, bucket) -> results`` exchanges one bucket with its own packed buffers and
 collectives.  The state is explicit (:class:`HookState`: the collectives, the mode, the
@@ -35,7 +35,7 @@ import tensorflow as tf
 from tf_blocksparse.blocks import BlockLayout
 from tf_blocksparse.exchange import ExchangeResult, run
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.fusion import FusionPlan
 
 __all__ = ["Bucket", "ExchangeHook", "HookState", "block_sparse_hook", "buckets_for",
            "dense_hook", "exchange_buckets", "merge_results"]
@@ -123,7 +123,7 @@ def buckets_for(grads: Sequence[Sequence[tf.Tensor]],
 
     Args:
       grads: ``grads[r][v]``: local replica ``r``'s gradient of batch position ``v``.
-      groups: A :class:`~tf_blocksparse.planning.fusion.FusionPlan` over the batch (its
+      groups: A :class:`~tf_blocksparse.fusion.FusionPlan` over the batch (its
         groups' members are positions), the positions of each group, or ``None`` for one
         bucket of every variable.
       layouts: Per batch position its layout, or empty.

@@ -2,7 +2,7 @@
 
 Used where the library times something itself: the automatic exchange's link and
 compression probes (:mod:`tf_blocksparse.auto.link_probe`), the optimizer wrapper's
-time per step and the layer profiler (:mod:`tf_blocksparse.keras.profiler`).
+time per step and the layer profiler (:mod:`tf_blocksparse.pipeline.profiler`).
 :func:`median_seconds` times calls from Python; :func:`graph_clock` reads the clock inside
 a TensorFlow graph; :func:`load_trace` reads what TensorFlow's profiler recorded, to
 measure a step op by op (TensorFlow is imported inside those two only, so the module stays

@@ -1,7 +1,7 @@
 """An emulated multi-host TensorFlow cluster on one machine: worker servers plus one client.
 
 :class:`ServerCluster` starts ``num_workers`` processes that each run a
-``tf.distribute.Server`` (:mod:`tf_blocksparse.distribute.remote`), waits until they listen,
+``tf.distribute.Server`` (:mod:`tf_blocksparse.runtime.remote`), waits until they listen,
 and then runs a *client* command that connects to them and drives one ``tf.function`` across
 all of them (the pipeline and hybrid trainers).  Optionally (Linux, root):
 
@@ -40,9 +40,9 @@ from typing import TextIO
 from launch.cluster import local
 from launch.cluster.cgroups import ResourceCap, require_controller
 from launch.cluster.netem import NetworkCluster, require_privileges
-from tf_blocksparse.distribute.remote import CLUSTER_ENV, READY, TASK_ENV
 from tf_blocksparse.launcher import processes
 from tf_blocksparse.planning import Topology
+from tf_blocksparse.runtime.remote import CLUSTER_ENV, READY, TASK_ENV
 
 #: Port every process listens on inside its own namespace (the addresses differ).
 NAMESPACE_PORT = 2222
@@ -199,7 +199,7 @@ class ServerCluster:
             self.caps.append(cap)
             if cap is not None:
                 cap.setup()
-            cmd = [sys.executable, "-m", "tf_blocksparse.distribute.remote"]
+            cmd = [sys.executable, "-m", "tf_blocksparse.runtime.remote"]
             # the namespace first: `ip netns exec` remounts /sys, hiding the cgroup files
             if self._net is not None:
                 cmd = self._net.wrap(cmd, i)
@@ -262,7 +262,7 @@ class ServerCluster:
         """Runs the client command (in the client's namespace) until it ends.
 
         The client finds the cluster in ``$TFBS_CLUSTER`` (see
-        :func:`tf_blocksparse.distribute.remote.cluster_from_env`); its output is streamed
+        :func:`tf_blocksparse.runtime.remote.cluster_from_env`); its output is streamed
         with the prefix ``[client]``.
 
         Returns:

@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_blocksparse import blocks
-from tf_blocksparse.distribute.forward_order import backward_ranks
+from tf_blocksparse.fusion.forward_order import backward_ranks
 
 
 def is_gradient_batch(reduce_op: Any, values: Sequence[Any], min_devices: int = 1) -> bool:
@@ -109,7 +109,7 @@ class ModelBinding:
 
     def backward_ranks(self, shapes: Sequence[tuple[int, ...]]) -> list[int] | None:
         """Per position its rank in the backward order derived from the model's forward
-        pass (:func:`~tf_blocksparse.distribute.forward_order.backward_ranks`), or ``None``
+        pass (:func:`~tf_blocksparse.fusion.forward_order.backward_ranks`), or ``None``
         when the batch does not match the model or its order cannot be derived."""
         variables = self.variables(shapes)
         if variables is None:

@@ -12,9 +12,9 @@ per-replica float tensors) goes through the bucketed exchange hook
     ``BlockSparseOptimizer``; or ``None``: the dense sum (bit-identical to the default
     one-device reduction, sums being element-wise).
 *in which buckets*, ``fusion``
-    A :class:`~tf_blocksparse.planning.fusion.FusionPlan` over the batch, or a buffer size
+    A :class:`~tf_blocksparse.fusion.FusionPlan` over the batch, or a buffer size
     in bytes from which the balanced plan is made in backward order (derived from the
-    model's forward pass, :mod:`tf_blocksparse.distribute.forward_order`, when the model is
+    model's forward pass, :mod:`tf_blocksparse.fusion.forward_order`, when the model is
     known and the batch matches its trainable variables; else the reverse of the batch
     order); or ``None``: one bucket of every variable.  Every bucket is one fused set of
     collectives whose inputs are exactly its members, so in the graph it can start as soon
@@ -55,8 +55,8 @@ from tf_blocksparse.distribute.batches import GradientBatch, ModelBinding, is_gr
 from tf_blocksparse.distribute.device_exchange import exchange_on_devices, sum_on_devices
 from tf_blocksparse.exchange import selection_nbytes
 from tf_blocksparse.feedback import compressor_for
+from tf_blocksparse.fusion import FusionPlan, plan_backward
 from tf_blocksparse.options import SPARSE_EXCHANGES, CompressionOptions, options_from
-from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
 
 __all__ = ["BlockSparseCrossDeviceOps"]
 
@@ -119,7 +119,7 @@ class BlockSparseCrossDeviceOps(tf.distribute.ReductionToOneDevice):
         chosen from the scores summed over devices), or ``None`` (and no option keywords)
         for the dense sum.  Not ``"auto"``, the options' default: these ops cannot measure
         the link, so name the mode.
-      fusion: A :class:`~tf_blocksparse.planning.fusion.FusionPlan` over the gradient batch
+      fusion: A :class:`~tf_blocksparse.fusion.FusionPlan` over the gradient batch
         (members = positions in the batch), a fusion buffer size in bytes (the balanced
         plan is made from each new gradient batch), or ``None``: one bucket.
       model: Optional Keras model whose ``trainable_variables`` the gradients belong to (or

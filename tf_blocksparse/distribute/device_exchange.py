@@ -1,6 +1,6 @@
 """The project's exchange over a device list, for the adapters that see every replica at once
 (:class:`~tf_blocksparse.distribute.cross_device_ops.BlockSparseCrossDeviceOps` and the hybrid
-trainer's :class:`~tf_blocksparse.distribute.hybrid_sync.GroupSync`): the bucketed exchange
+trainer's :class:`~tf_blocksparse.hybrid.sync.GroupSync`): the bucketed exchange
 hook (:func:`tf_blocksparse.hooks.exchange_buckets` with
 :func:`~tf_blocksparse.hooks.block_sparse_hook`) over
 :class:`~tf_blocksparse.collectives.DeviceCollectives`, the residual variables committed, and
@@ -17,7 +17,7 @@ from tf_blocksparse import hooks
 from tf_blocksparse.blocks import BlockLayout
 from tf_blocksparse.collectives import DeviceCollectives
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.fusion import FusionPlan
 
 __all__ = ["exchange_on_devices", "run_on_devices", "sum_on_devices"]
 

@@ -13,7 +13,7 @@ import warnings
 from typing import Any
 
 from tf_blocksparse.distribute.cross_device_ops import BlockSparseCrossDeviceOps
-from tf_blocksparse.planning.fusion import FusionPlan
+from tf_blocksparse.fusion import FusionPlan
 
 __all__ = ["FusedCrossDeviceOps"]
 

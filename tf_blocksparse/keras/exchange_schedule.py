@@ -2,7 +2,7 @@
 
 One :class:`ExchangeSchedule` per optimizer (a component it owns) holds the parts of the
 exchange that are decided outside the step's math: the fusion groups (``fusion_buffer_bytes``,
-contiguous in backward order, see :mod:`tf_blocksparse.planning.fusion`), the modes that
+contiguous in backward order, see :mod:`tf_blocksparse.fusion`), the modes that
 change in training (``exchange="auto"`` and a dense phase, through
 :class:`~tf_blocksparse.auto.auto_runtime.AutoExchangeRuntime`), and the callbacks
 ``model.fit`` needs for them.
@@ -18,12 +18,12 @@ import tensorflow as tf
 
 from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
-from tf_blocksparse.distribute.forward_order import backward_ranks
 from tf_blocksparse.feedback import BlockTopK
+from tf_blocksparse.fusion import FusionPlan
+from tf_blocksparse.fusion.forward_order import backward_ranks
 from tf_blocksparse.keras import dense_phase, local_steps
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.planning.exchange_cost import ExchangeDecision
-from tf_blocksparse.planning.fusion import FusionPlan
 
 __all__ = ["ExchangeSchedule"]
 

@@ -41,6 +41,7 @@ from tf_blocksparse import _compat, blocks
 from tf_blocksparse.auto import auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.feedback import BlockTopK, compressor_for
+from tf_blocksparse.fusion import FusionPlan
 from tf_blocksparse.keras import (
     inner_optimizer,
     local_steps,
@@ -70,7 +71,6 @@ from tf_blocksparse.keras.transforms import (
 )
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
 from tf_blocksparse.planning.exchange_cost import ExchangeDecision
-from tf_blocksparse.planning.fusion import FusionPlan
 from tf_blocksparse.timing import graph_clock
 from tf_blocksparse.unitwise import layout_unit_axes
 
@@ -122,7 +122,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         exchange (their state is per replica and saved with the optimizer).
       nonfinite: ``"skip"`` (default) or ``"apply"``.
       fusion_buffer_bytes: Optional fusion buffer size: variables are exchanged in balanced
-        groups (contiguous in backward order, see :mod:`tf_blocksparse.planning.fusion`),
+        groups (contiguous in backward order, see :mod:`tf_blocksparse.fusion`),
         one set of collectives per group, so the last layers' exchange can start while
         backward still runs.  The backward order is derived from ``model`` when given, else
         taken as the reverse of the variable order.  Default: one group for all variables.
@@ -140,7 +140,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         layers are found among the live Keras layers at build time; either way every
         variable is looked up by its layer's class (see :mod:`tf_blocksparse.blocks`).
         With it (and ``fusion_buffer_bytes``) the backward order is derived from a trace of
-        its forward pass at build time (:mod:`tf_blocksparse.distribute.forward_order`).
+        its forward pass at build time (:mod:`tf_blocksparse.fusion.forward_order`).
       name: Optimizer name.
       **options: The arguments of ``CompressionOptions`` (instead of ``compression``) and
         ``momentum_masking``.

@@ -16,7 +16,7 @@ from tf_blocksparse import _compat, codec, hooks
 from tf_blocksparse.collectives import ReplicaCollectives
 from tf_blocksparse.exchange import ExchangeResult
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.planning.fusion import FusionPlan, plan_backward
+from tf_blocksparse.fusion import FusionPlan, plan_backward
 
 #: The figures of the per-replica statistics row, in order: the last step's (the counts and
 #: running totals ``skipped_steps`` and ``exchange_s_total`` since the optimizer was built).

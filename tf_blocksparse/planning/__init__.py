@@ -1,15 +1,22 @@
 """Pure-Python planners (no TensorFlow import): decide offline, before a strategy exists.
 
-Grouped by topic; every public name below is importable from ``tf_blocksparse.planning``.
+Every planner's public name is importable from ``tf_blocksparse.planning``, wherever the
+planner lives.  The planners of the products live with their runtime:
 
-- :mod:`~tf_blocksparse.planning.fusion`: balanced tensor fusion -- fusion plans, the balanced
+- :mod:`tf_blocksparse.fusion`: balanced tensor fusion -- fusion plans, the balanced
   planner, the TF / DDP / Horovod bucketing baselines, every method side by side, and the online
   per-cycle scheduler with its cycle simulator.
-- :mod:`~tf_blocksparse.planning.pipeline`: pipeline plans and their cost model, the
+- :mod:`tf_blocksparse.pipeline`: pipeline plans and their cost model, the
   bandwidth-aware pipeline planner (with exhaustive and brute-force checks), the PipeDream and
-  bandwidth-oblivious baselines, and the GPipe / 1F1B schedule simulator.
-- :mod:`~tf_blocksparse.planning.placement`: memory-aware conv/FC placement on devices and
+  bandwidth-oblivious baselines, and the GPipe / 1F1B schedule simulator; their inputs, the
+  per-layer model profiles (:mod:`~tf_blocksparse.pipeline.profile`) and the devices and
+  pairwise bandwidths (:mod:`~tf_blocksparse.pipeline.topology`).
+- :mod:`tf_blocksparse.hybrid`: memory-aware conv/FC placement on devices and
   expanded memory.
+
+The cost models of the exchange itself, which the core and the automatic exchange use, live
+here:
+
 - :mod:`~tf_blocksparse.planning.link_cost`: the one cost model of the exchange modes
   (collectives as ``latency + bytes * seconds_per_byte``, each mode's collectives per step)
   and the mode names.
@@ -17,19 +24,12 @@ Grouped by topic; every public name below is importable from ``tf_blocksparse.pl
   measured collective and compression times.
 - :mod:`~tf_blocksparse.planning.scaling`: projected scaling efficiency, the cost model's
   links derived from Hockney's alpha-beta ring model.
-- Shared inputs: :mod:`~tf_blocksparse.planning.profile` (per-layer model profiles) and
-  :mod:`~tf_blocksparse.planning.topology` (devices and pairwise bandwidths).
+
+Importing a product package (``tf_blocksparse.fusion``, ``.pipeline``, ``.hybrid``) loads its
+planner only; ``tests/test_architecture.py`` checks that every planner stays TensorFlow-free.
 """
 
-from .exchange_cost import (
-    AutoExchange,
-    ExchangeDecision,
-    GroupCost,
-    LinkCost,
-    exchange_seconds,
-    mode_seconds,
-)
-from .fusion import (
+from tf_blocksparse.fusion import (
     FusionGroup,
     FusionPlan,
     FusionScheduler,
@@ -46,11 +46,23 @@ from .fusion import (
     simulate,
     simulate_greedy_cycles,
 )
-from .pipeline import (
+from tf_blocksparse.hybrid import (
+    LayerMemory,
+    LayerPlacement,
+    MemoryBudget,
+    PlacementPlan,
+    evaluate_placement,
+    plan_placement,
+)
+from tf_blocksparse.pipeline import (
+    LayerProfile,
+    ModelProfile,
     PipelinePlan,
     Stage,
+    Topology,
     compare_pipeline_plans,
     evaluate_stages,
+    homogeneous,
     make_plan,
     pipedream_levels,
     plan_bruteforce,
@@ -59,20 +71,24 @@ from .pipeline import (
     plan_oblivious,
     plan_pipedream,
     plan_pipeline,
+    random_heterogeneous,
+    random_profile,
     schedule_order,
     simulate_pipeline,
     stage_time,
+    synthetic_profile,
+    two_level,
     validate_plan,
 )
-from .placement import (
-    LayerMemory,
-    LayerPlacement,
-    MemoryBudget,
-    PlacementPlan,
-    evaluate_placement,
-    plan_placement,
+
+from .exchange_cost import (
+    AutoExchange,
+    ExchangeDecision,
+    GroupCost,
+    LinkCost,
+    exchange_seconds,
+    mode_seconds,
 )
-from .profile import LayerProfile, ModelProfile, random_profile, synthetic_profile
 from .scaling import (
     ExchangeCost,
     NetworkModel,
@@ -84,7 +100,6 @@ from .scaling import (
     scaling_efficiency,
     shared_mode_time,
 )
-from .topology import Topology, homogeneous, random_heterogeneous, two_level
 
 __all__ = [
     # automatic exchange
