@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-_INT32_BYTES = 4
+INT32_BYTES = 4
 
 
-def _require_int(name: str, arr: np.ndarray) -> None:
+def require_int_vector(name: str, arr: np.ndarray) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``arr`` is a 1-D integer array."""
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"`{name}` must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
@@ -50,7 +51,7 @@ class BlockPayload:
             raise ValueError(f"`num_blocks` must be >= 0, got {self.num_blocks}")
         if int(self.block_size) < 0:
             raise ValueError(f"`block_size` must be >= 0, got {self.block_size}")
-        _require_int("ids", self.ids)
+        require_int_vector("ids", self.ids)
         if self.ids.size and (self.ids.min() < 0 or self.ids.max() >= self.num_blocks):
             raise ValueError(f"`ids` entries must lie in [0, {self.num_blocks})")
         if np.unique(self.ids).size != self.ids.size:
@@ -77,7 +78,7 @@ def block_encode(blocks: np.ndarray, ids: Any) -> BlockPayload:
     if blocks.ndim != 2:
         raise ValueError(f"`blocks` must be 2-D [num_blocks, block_size], got {blocks.shape}")
     ids = np.asarray(ids)
-    _require_int("ids", ids)
+    require_int_vector("ids", ids)
     num_blocks, block_size = blocks.shape
     probe = BlockPayload(num_blocks, block_size, ids, np.empty((ids.size, block_size)))
     probe.validate()
@@ -94,7 +95,7 @@ def block_decode(p: BlockPayload) -> np.ndarray:
 
 def block_nbytes(p: BlockPayload) -> int:
     """Wire bytes: int32 ids plus the value matrix."""
-    return _INT32_BYTES * int(p.ids.size) + int(p.values.nbytes)
+    return INT32_BYTES * int(p.ids.size) + int(p.values.nbytes)
 
 
 def dense_nbytes(shape: Sequence[int], dtype: Any) -> int:

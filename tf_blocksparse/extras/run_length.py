@@ -13,18 +13,10 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from tf_blocksparse.codec import INT32_BYTES, require_int_vector
+
 __all__ = ["RLEPayload", "rle_decode", "rle_decode_tf", "rle_encode", "rle_encode_tf",
            "rle_nbytes"]
-
-_INT32_BYTES = 4
-
-
-def _require_int(name: str, arr: np.ndarray) -> None:
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"`{name}` must have an integer dtype, got {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"`{name}` must be 1-D, got shape {arr.shape}")
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RLEPayload:
@@ -54,8 +46,8 @@ class RLEPayload:
             raise ValueError(f"`length` must be >= 0, got {self.length}")
         if math.prod(self.shape) != self.length:
             raise ValueError(f"`length` {self.length} != prod(`shape`) for shape {self.shape}")
-        _require_int("starts", self.starts)
-        _require_int("lengths", self.lengths)
+        require_int_vector("starts", self.starts)
+        require_int_vector("lengths", self.lengths)
         if self.starts.shape != self.lengths.shape:
             raise ValueError(
                 f"`starts` shape {self.starts.shape} != `lengths` shape {self.lengths.shape}"
@@ -121,7 +113,7 @@ def rle_decode(p: RLEPayload) -> np.ndarray:
 
 def rle_nbytes(p: RLEPayload) -> int:
     """Wire bytes: 4-byte length header + int32 starts and lengths + values."""
-    return _INT32_BYTES + _INT32_BYTES * (p.starts.size + p.lengths.size) + int(p.values.nbytes)
+    return INT32_BYTES + INT32_BYTES * (p.starts.size + p.lengths.size) + int(p.values.nbytes)
 
 
 def rle_encode_tf(x: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
