@@ -242,6 +242,9 @@ def colab_note(minutes: str) -> str:
 
 # --------------------------------------------------------------------------- 1. quickstart
 
+#: Measured headless (``make test-notebooks``) on 2 CPU cores: the cells take ~1 minute.
+QUICKSTART_MINUTES = "about 2 minutes (its cells take about one, the rest is the install)"
+
 QUICKSTART = [
     md(f'''
         # Quick start: block-sparse gradient exchange in `model.fit`
@@ -260,7 +263,7 @@ QUICKSTART = [
         compressed, the literal block k=1 configuration, and element-wise top-k with 5% of
         the entries -- and plots test accuracy against the bytes each replica sends.
 
-        {colab_note("about 3-4 minutes")}
+        {colab_note(QUICKSTART_MINUTES)}
     '''),
     INSTALL,
     code('''
