@@ -174,7 +174,7 @@ class Method:
                    sync_every=f.sync_every, outer_lr=f.outer_lr,
                    outer_momentum=f.outer_momentum, global_momentum=f.global_momentum,
                    momentum_masking=f.momentum_masking,
-                   density_warmup=tuple(float(d) for d in f.density_warmup),
+                   density_warmup=f.density_warmup,
                    stated=frozenset(n for n in METHOD_FLAGS[1:] if f[n].present))
 
     @classmethod
