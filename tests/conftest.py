@@ -25,21 +25,3 @@ def mirrored2() -> tf.distribute.MirroredStrategy:
     """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
-
-#: The test files that take longest (multi-process clusters, many traced steps), heaviest
-#: first, as measured with ``--junitxml`` on 2 cores.  They are collected first so that
-#: ``pytest-xdist --dist loadfile`` hands them out before the light files (longest job first):
-#: a heavy file left to the end would run alone on one worker while the other idles.
-HEAVY_FIRST = ("test_train", "test_local_steps_cluster", "test_auto_exchange", "test_kernels",
-               "test_dense_phase", "test_hybrid", "test_momentum_correction",
-               "test_optimizer", "test_cross_device_ops", "test_optimizer_reference",
-               "test_models", "test_cluster_scripts", "test_multiworker",
-               "test_bench_clipping", "test_launch_scripts", "test_replica_state",
-               "test_accumulation", "test_scaling", "test_tf_cluster", "test_warmup")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Orders the collected tests by :data:`HEAVY_FIRST` (the rest keep their order after)."""
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    order = {id(item): n for n, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), order[id(item)]))
