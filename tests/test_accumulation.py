@@ -72,8 +72,8 @@ def test_two_micro_steps_train_as_one_step_on_their_mean(mirrored2, exchange, mo
 
 def test_accumulators_are_per_replica_and_cleared_after_each_exchange(mirrored2):
     _, opt = _train(mirrored2, 3, "allgather", 0.0, _grads)
-    assert len(opt._accumulators) == 4
-    for a in opt._accumulators:  # WINDOWS whole windows: every accumulator exchanged
+    assert len(opt._state.accumulators) == 4
+    for a in opt._state.accumulators:  # WINDOWS whole windows: every accumulator exchanged
         for local in mirrored2.experimental_local_results(a.value):
             np.testing.assert_array_equal(local.numpy(), 0.0)
     assert opt.gradient_accumulation_steps == 3
@@ -109,7 +109,7 @@ def test_a_window_that_is_not_finite_on_one_replica_is_dropped_on_every_one(mirr
     for a, b in zip(variables, after_first):
         np.testing.assert_array_equal(a.numpy(), b)
     assert opt.block_sparse_metrics()["skipped_steps"] == 1
-    for a in opt._accumulators:
+    for a in opt._state.accumulators:
         for local in mirrored2.experimental_local_results(a.value):
             assert np.isfinite(local.numpy()).all()
             np.testing.assert_array_equal(local.numpy(), 0.0)

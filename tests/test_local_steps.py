@@ -157,7 +157,7 @@ def test_fit_evaluates_and_saves_synchronised_weights(mirrored2, tmp_path):
                       metrics=["accuracy"])
     history = model.fit(x, y, batch_size=16, epochs=3, validation_data=(x, y), verbose=0)
     assert len(history.history["val_accuracy"]) == 3
-    assert int(opt._window.numpy()) == 0
+    assert int(opt._state.window.numpy()) == 0
     for v in model.trainable_variables:
         copies = [c.numpy() for c in mirrored2.experimental_local_results(v.value)]
         np.testing.assert_array_equal(copies[0], copies[1])

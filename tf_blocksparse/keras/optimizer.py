@@ -51,6 +51,7 @@ from tf_blocksparse.keras import (
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.accumulation import GradientAccumulation
 from tf_blocksparse.keras.exchange_schedule import ExchangeSchedule
+from tf_blocksparse.keras.exchange_step import ExchangeStep
 from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
@@ -61,17 +62,15 @@ from tf_blocksparse.keras.optimizer_args import (
     resolve_arguments,
     wrapper_config,
 )
-from tf_blocksparse.keras.optimizer_state import create_state, per_replica_variable
-from tf_blocksparse.keras.step_metrics import StepMetrics
-from tf_blocksparse.keras.transforms import (
-    ClippingTransform,
-    MomentumTransform,
-    read_state,
-    state_commits,
+from tf_blocksparse.keras.optimizer_state import (
+    WrapperState,
+    create_state,
+    per_replica_variable,
 )
+from tf_blocksparse.keras.step_metrics import StepMetrics
+from tf_blocksparse.keras.transforms import ClippingTransform, MomentumTransform
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
 from tf_blocksparse.planning.exchange_cost import ExchangeDecision
-from tf_blocksparse.timing import graph_clock
 from tf_blocksparse.unitwise import layout_unit_axes
 
 __all__ = ["NONFINITE", "STAT_NAMES", "BlockSparseOptimizer", "discover_owners"]
@@ -180,19 +179,21 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         # components: fusion groups and changing modes (exchange="auto", a dense phase), the
         # reported figures
         self._schedule = ExchangeSchedule(self, self._compressor)
-        self._metrics = StepMetrics(self, lambda: self._stats, lambda: self._outer_norm)
+        self._metrics = StepMetrics(self, lambda: self._state.stats,
+                                    lambda: self._state.outer_norm)
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
-        self._residuals, self._clip_states, self._velocities, self._accumulators = [], [], [], []
-        self._window: keras.Variable | None = None
+        self._state: WrapperState | None = None
         self.sync_every, self.outer_optimizer = args.sync_every, args.outer
         inner_optimizer.take_over(inner, args.outer)
-        self._anchors: list[keras.Variable] = []
-        # components: local steps or accumulation (each owns its step), Keras saving
+        # components: the exchange; local steps or accumulation (each owns its step and
+        # calls the exchange once per window); Keras saving
+        self._exchange = ExchangeStep(self._clip, self._momentum, self._schedule,
+                                      self._compressor, inner, nonfinite, self.metric)
         self._local = None if sync_every is None else local_steps.LocalSteps(
-            sync_every, args.outer, inner, self._exchange, lambda: self._stats)
+            sync_every, args.outer, inner, self._exchange, lambda: self._state.stats)
         self._accumulation = None if args.accumulation_steps == 1 else GradientAccumulation(
-            args.accumulation_steps, self._exchange, lambda: self._stats,
+            args.accumulation_steps, self._exchange, lambda: self._state.stats,
             lambda: self.inner_optimizer.iterations)
         self._saving = replica_state.KerasSaving()
 
@@ -222,37 +223,34 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
                                         self._track_variable),
             add_variable=self.add_variable,
             add_variable_from_reference=self.add_variable_from_reference)
-        self._residuals, self._velocities = state.residuals, state.velocities
-        self._clip_states, self._stats = state.clip_states, state.stats
-        if self._local is not None:
-            self._anchors, self._outer_norm = state.anchors, state.outer_norm
-        self._accumulators, self._window = state.accumulators, state.window
+        self._state = state
+        self._exchange.bind(state)
         every, self.accumulation_steps = self.accumulation_steps, 1  # Keras' build must not
         try:                                                          # add accumulators
             super().build(var_list)
         finally:
             self.accumulation_steps = every
         if self._local is not None:
-            self._local.bind(self._window, self._distribution_strategy,
+            self._local.bind(state.window, self._distribution_strategy,
                              self._trainable_variables)
         if self._accumulation is not None:
-            self._accumulation.window = self._window
+            self._accumulation.window = state.window
         self._schedule.bind(self._distribution_strategy, self._trainable_variables)
 
     @property
     def clip_states(self) -> list[list[keras.Variable]]:
         """Per variable, the state of each stateful clipping rule (per replica)."""
-        return [list(s) for s in self._clip_states]
+        return [] if self._state is None else [list(s) for s in self._state.clip_states]
 
     @property
     def velocities(self) -> list[keras.Variable]:
         """Per-variable local momentum of ``momentum_correction`` (per replica; else [])."""
-        return list(self._velocities)
+        return [] if self._state is None else list(self._state.velocities)
 
     @property
     def residuals(self) -> list[keras.Variable]:
         """Per-variable residuals (per replica; a cross-replica read returns their sum)."""
-        return list(self._residuals)
+        return [] if self._state is None else list(self._state.residuals)
 
     @property
     def variables(self) -> list[keras.Variable]:
@@ -312,7 +310,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         skip a step or none does; a skipped step counts in ``skipped_steps``."""
         finite = loss_scale.finite_on_every_replica(grads)
         if self.built:
-            step.count_skipped(self._stats, finite)
+            step.count_skipped(self._state.stats, finite)
         return finite
 
     # -- step ----------------------------------------------------------------------------
@@ -365,62 +363,6 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         optimizer was built are then trained from, not overwritten at the next exchange."""
         if self._local is not None and self.built:
             self._local.restart_window()
-
-    def _exchange(self, grads: Sequence[tf.Tensor], tvs: Sequence[Any], idx: Sequence[int],
-                  optimizer: keras.optimizers.Optimizer | None = None,
-                  counted: bool = True) -> None:
-        """One exchange of the replica's ``grads`` (of the variables ``tvs``, indices
-        ``idx``) and ``optimizer``'s apply of the result (default: the inner optimizer)."""
-        ctx = tf.distribute.get_replica_context()
-        timed = ctx.num_replicas_in_sync > 1  # one replica: no exchange (and maybe XLA)
-        start = graph_clock(grads) if timed else None
-        auto = self._auto
-        # positions with per-replica state (all but dense groups flushed at their switch)
-        live = [not (auto and auto.stateless(i)) for i in idx]
-        clip_vars = [self._clip_states[i] for i in idx]
-        velocities = [[self._velocities[i]] if self._velocities else [] for i in idx]
-        # 1. clipping, 2. momentum correction: u = m u + g is what gets exchanged
-        grads, clip_new = self._clip.update(grads, read_state(clip_vars, [True] * len(idx)),
-                                            tvs, idx)
-        grads, velocity_new = self._momentum.update(grads, read_state(velocities, live),
-                                                    tvs, idx)
-        # 3. error feedback and the exchange, per bucket
-        residuals = [self._residuals[i] for i in idx] if self.exchange != "dense" else []
-        state = None
-        if residuals and any(live):
-            state = [tf.convert_to_tensor(r.value) if p else None
-                     for p, r in zip(live, residuals)]
-        result = self._exchange_buckets(grads, idx, state)
-        # 4. factor masking: what a replica sent leaves its velocity too (dense groups'
-        # momentum is the inner SGD's there)
-        velocity_new = self._momentum.mask(
-            velocity_new, lambda: self._compressor(idx).layouts, result.sent_ids, state,
-            [bool(auto and auto.inner_momentum and auto.in_dense_group(i)) for i in idx])
-        # 5. the state is committed only if the step is finite everywhere
-        commits = state_commits(clip_vars, clip_new)
-        if state is not None and result.residuals is not None:
-            commits += [(r, new) for r, new in zip(residuals, result.residuals)
-                        if new is not None]
-        commits += state_commits(velocities, velocity_new)
-        if commits:
-            step.when_finite(self.nonfinite, result.finite,
-                             lambda: tf.group([v.value.assign(s) for v, s in commits]))
-        # 6. the inner (or outer) optimizer applies the exchanged update
-        step.apply_inner(optimizer or self.inner_optimizer, self.nonfinite, result.updates,
-                         tvs, result.finite)
-        seconds = graph_clock([tf.convert_to_tensor(tvs[-1])]) - start if timed else 0.0
-        step.record_stats(self._stats, result, seconds, counted)
-
-    def _exchange_buckets(self, grads: Sequence[tf.Tensor], idx: Sequence[int],
-                          state: Sequence[tf.Tensor | None] | None) -> Any:
-        """Error feedback and the exchange of ``grads`` (of variables ``idx``, residuals
-        ``state``) per fusion group; with a changing exchange, adjacent groups of one mode
-        share one set of collectives."""
-        groups, modes = self._schedule.exchange_groups(grads, idx)
-        return step.run_grouped_exchange(
-            modes, ctx=tf.distribute.get_replica_context(),
-            make_comp=lambda group: self._compressor([idx[i] for i in group]),
-            grads=grads, state=state, groups=groups, metric=self.metric)
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
