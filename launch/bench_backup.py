@@ -27,6 +27,7 @@ from absl import flags
 
 from launch import experiments, runtime, script
 from launch import flags as train_flags
+from launch.config import TrainConfig
 
 FLAGS = flags.FLAGS
 _TRAFFIC = "[launcher] network traffic (eth0 bytes per worker): "
@@ -60,19 +61,19 @@ def link_bytes(output: str) -> list[int]:
     return []
 
 
-def _run(method: str, args: list[str], backup: bool) -> tuple[dict, list[int]]:
+def _run(method: str, config: TrainConfig, backup: bool) -> tuple[dict, list[int]]:
     f = FLAGS
     out = io.StringIO()
     record = experiments.run_training(
-        method, [*args, "--backup" if backup else "--nobackup"], f.num_workers, f.density,
+        method, config.replace(backup=backup), f.num_workers,
         bandwidth_mbit=f.bandwidth_mbit, timeout_s=1800, stream=out)
     return record, link_bytes(out.getvalue())
 
 
-def measure(method: str, args: list[str], epochs: int) -> dict:
+def measure(method: str, config: TrainConfig, epochs: int) -> dict:
     """One method's backup seconds and link bytes (runs with and without backups)."""
-    with_backup, bytes_with = _run(method, args, True)
-    without, bytes_without = _run(method, args, False)
+    with_backup, bytes_with = _run(method, config, True)
+    without, bytes_without = _run(method, config, False)
     steady = with_backup["backup_s_per_epoch"][1:]  # the first also builds the writer
     per_backup = [(a - b) / epochs for a, b in zip(bytes_with, bytes_without)]
     return {"method": method, "backup_s_per_epoch": with_backup["backup_s_per_epoch"],
@@ -87,10 +88,10 @@ def measure(method: str, args: list[str], epochs: int) -> dict:
 def main(argv: list[str]) -> None:
     script.require_root(argv)
     f = FLAGS
-    args = [f"--model={f.model}", f"--dataset={f.dataset}", f"--epochs={f.epochs}",
-            f"--steps_per_epoch={f.steps_per_epoch}", f"--batch_size={f.batch_size}",
-            f"--lr={f.lr}", f"--seed={f.seed}", "--test_samples=500"]
-    rows = [measure(m, args, f.epochs) for m in f.methods]
+    rows = [measure(m, experiments.train_config(
+        m, f.density, model=f.model, dataset=f.dataset, epochs=f.epochs,
+        steps_per_epoch=f.steps_per_epoch, batch_size=f.batch_size, lr=f.lr, seed=f.seed,
+        test_samples=500), f.epochs) for m in f.methods]
     dense = next((r for r in rows if r["method"] == "dense"), None)
     for r in rows:
         if dense is not None and dense["backup_s_steady"] > 0:

@@ -285,23 +285,21 @@ def main(argv: list[str]) -> None:
         epochs = overrides.get(model, f.epochs)
         doc["budget"]["epochs"][model] = epochs
         doc["budget"]["lr_by_model"][model] = lr = lrs.get(model, f.lr)
-        args = [f"--dataset={f.dataset}", f"--epochs={epochs}", f"--batch_size={f.batch_size}",
-                f"--train_samples={f.train_samples}", f"--test_samples={f.test_samples}",
-                f"--lr={lr}", "--momentum=0.9", f"--steps_per_epoch={f.steps_per_epoch}",
-                f"--lr_schedule={f.lr_schedule}", f"--warmup_epochs={f.warmup_epochs}",
-                f"--model={model}"]
+        budget = dict(dataset=f.dataset, epochs=epochs, batch_size=f.batch_size,
+                      train_samples=f.train_samples, test_samples=f.test_samples, lr=lr,
+                      momentum=0.9, steps_per_epoch=f.steps_per_epoch,
+                      lr_schedule=f.lr_schedule, warmup_epochs=f.warmup_epochs, model=model)
         for seed in seeds:  # seed-major: an interrupted bench has every method's first seeds
             for name in f.methods:
                 if any((r["model"], r["method"], r["flags"]["seed"]) == (model, name, seed)
                        for r in doc["runs"]):
                     print(f"{model} {name} seed {seed}: kept from {path}", flush=True)
                     continue
+                config = experiments.train_config(name, f.density, seed=seed, **budget)
                 if f.strategy == "mirrored":
-                    rec = experiments.run_in_one_process(name, [*args, f"--seed={seed}"],
-                                                         f.num_workers, f.density)
+                    rec = experiments.run_in_one_process(name, config, f.num_workers)
                 else:
-                    rec = experiments.run_training(name, [*args, f"--seed={seed}"],
-                                                   f.num_workers, f.density)
+                    rec = experiments.run_training(name, config, f.num_workers)
                 rec["model"], rec["method"] = model, name
                 doc["runs"].append(_slim(rec))
                 print(json.dumps({"model": model, "method": name, "seed": seed,

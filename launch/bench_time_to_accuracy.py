@@ -42,6 +42,7 @@ from absl import app, flags
 
 from launch import experiments, script
 from launch import flags as train_flags
+from launch.config import TrainConfig
 from tf_blocksparse.options import MASKINGS
 
 FLAGS = flags.FLAGS
@@ -253,25 +254,27 @@ def aggregate(rows: list[dict]) -> list[dict]:
     return summary
 
 
-def _train_flags(model: str, budget: dict, seed: int, method: str, target: float | None
-                 ) -> list[str]:
-    """``launch/train.py`` flags of one run (the method's own come from experiments)."""
+def _train_config(model: str, budget: dict, seed: int, method: str, target: float | None
+                  ) -> TrainConfig:
+    """The ``launch.train`` config of one run."""
     f = FLAGS
-    out = [f"--model={model}", f"--dataset={f.dataset}",
-           f"--steps_per_epoch={budget['steps_per_epoch']}",
-           f"--batch_size={f.batch_size}", f"--train_samples={f.train_samples}",
-           f"--test_samples={f.test_samples}", f"--lr={budget['lr']}",
-           "--momentum=0.9", f"--seed={seed}"]
+    config = experiments.train_config(
+        method, f.density, model=model, dataset=f.dataset,
+        steps_per_epoch=budget["steps_per_epoch"], batch_size=f.batch_size,
+        train_samples=f.train_samples, test_samples=f.test_samples, lr=budget["lr"],
+        momentum=0.9, seed=seed, epochs=f.epochs)
     if method == "dense":
-        return [*out, f"--epochs={f.epochs}"]
-    out += [f"--epochs={f.epochs * f.sparse_epoch_factor}",
-            f"--momentum_masking={f.momentum_masking}",
-            f"--global_momentum={f.global_momentum}"]
+        return config
+    options = config.method.options
     if f.dense_below is not None:
-        out.append(f"--dense_below={f.dense_below}")
+        options = options.replace(dense_below=f.dense_below)
+    config = config.replace(
+        epochs=f.epochs * f.sparse_epoch_factor,
+        method=config.method.replace(options=options, momentum_masking=f.momentum_masking,
+                                     global_momentum=f.global_momentum))
     if f.early_stop and target is not None:
-        out += [f"--stop_at_accuracy={target}", f"--min_epochs={f.epochs}"]
-    return out
+        config = config.replace(stop_at_accuracy=target, min_epochs=f.epochs)
+    return config
 
 
 def group_records(runs: list[dict], budget: dict) -> list[dict]:
@@ -332,8 +335,8 @@ def run_group(model: str, bw: float, budget: dict, methods: list[str], seeds: li
         target = next((max(r["test_accuracy"] - f.target_drop, 1e-6) for r in runs
                        if r["method"] == "dense" and r["seed"] == seed), None)
         rec = experiments.run_training(
-            method, _train_flags(model, budget, seed, method, target), f.num_workers,
-            f.density, bandwidth_mbit=bw, latency_ms=f.latency_ms, timeout_s=f.run_timeout_s)
+            method, _train_config(model, budget, seed, method, target), f.num_workers,
+            bandwidth_mbit=bw, latency_ms=f.latency_ms, timeout_s=f.run_timeout_s)
         rec.update(model=model, bandwidth_mbit=bw, seed=seed)
         runs = [r for r in runs if (r["seed"], r["method"]) != (seed, method)] + [rec]
         print(json.dumps({"model": model, "bandwidth_mbit": bw, "method": method,

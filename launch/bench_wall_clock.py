@@ -38,11 +38,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from typing import Any
 
 from absl import app, flags
 
 from launch import experiments, runtime, script
 from launch import flags as train_flags
+from launch.config import TrainConfig
 
 FLAGS = flags.FLAGS
 
@@ -238,13 +240,15 @@ def load_convergence(entries: list[str]) -> tuple[dict, dict, dict]:
     return curves, budgets, files
 
 
-def _train_args(model: str, budget: dict, epochs: int, steps: int, seed: int) -> list[str]:
-    return [f"--model={model}", f"--dataset={budget['dataset']}", f"--epochs={epochs}",
-            f"--steps_per_epoch={steps}", f"--batch_size={budget['global_batch']}",
-            f"--lr={budget.get('lr_by_model', {}).get(model, budget['lr'])}",
-            "--momentum=0.9", f"--seed={seed}",
-            f"--lr_schedule={budget.get('lr_schedule', 'constant')}",
-            f"--warmup_epochs={budget.get('warmup_epochs', 0.0)}"]
+def _train_config(method: str, model: str, budget: dict, epochs: int, steps: int,
+                  seed: int, density: float | None, **fields: Any) -> TrainConfig:
+    """The ``launch.train`` config of one run of ``method`` on the convergence ``budget``."""
+    return experiments.train_config(
+        method, density, model=model, dataset=budget["dataset"], epochs=epochs,
+        steps_per_epoch=steps, batch_size=budget["global_batch"],
+        lr=float(budget.get("lr_by_model", {}).get(model, budget["lr"])), momentum=0.9,
+        seed=seed, lr_schedule=budget.get("lr_schedule", "constant"),
+        warmup_epochs=float(budget.get("warmup_epochs", 0.0)), **fields)
 
 
 def main(argv: list[str]) -> None:
@@ -280,9 +284,9 @@ def main(argv: list[str]) -> None:
                     runs.append(old[key])
                     continue
                 rec = experiments.run_training(
-                    method, _train_args(model, budgets[model], f.timing_epochs,
-                                        f.timing_steps, 0),
-                    f.num_workers, f.density, bandwidth_mbit=rate, timeout_s=3600)
+                    method, _train_config(method, model, budgets[model], f.timing_epochs,
+                                          f.timing_steps, 0, f.density),
+                    f.num_workers, bandwidth_mbit=rate, timeout_s=3600)
                 full_steps = full_steps or _full_steps(model, budgets[model], f.num_workers)
                 timings[key] = epoch_parts(rec, full_steps)
                 timings[key]["curves_of"] = curves_of(method, rec)
@@ -345,10 +349,10 @@ def _check(entry: str, curves: dict, timings: dict, targets: dict, budgets: dict
     rate_f, seed_i = float(rate), int(seed)
     target = targets[model]
     epochs = budget["epochs"][model]
-    args = _train_args(model, budget, epochs, 0, seed_i) + [
-        f"--stop_at_accuracy={target}", "--test_samples=0"]
-    rec = experiments.run_training(method, args, f.num_workers, f.density,
-                                   bandwidth_mbit=rate_f, timeout_s=7200)
+    config = _train_config(method, model, budget, epochs, 0, seed_i, f.density,
+                           stop_at_accuracy=target, test_samples=0)
+    rec = experiments.run_training(method, config, f.num_workers, bandwidth_mbit=rate_f,
+                                   timeout_s=7200)
     own = epochs_to_target(rec["history"].get("val_accuracy")
                            or rec["history"].get("val_token_accuracy", []), target)
     parts = timings[(model, rate_f, method)]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from absl import flags
 
@@ -104,16 +103,15 @@ def _run(name: str, link: str, dataset: str, target: float | None = None) -> dic
 
     tag = name.replace(" ", "_").replace("%", "pct").replace("=", "")
     run_dir = os.path.join(FLAGS.out, tag if link == "loopback" else f"{tag}_{link}mbit")
-    cmd = [sys.executable, "-m", "launch.train",
-           "--strategy=multiworker", f"--dataset={dataset}", f"--model={FLAGS.model}",
-           f"--epochs={FLAGS.epochs}", f"--train_samples={FLAGS.train_samples}",
-           f"--test_samples={FLAGS.test_samples}", f"--model_dir={run_dir}",
-           "--batch_size=64", "--lr=0.05", "--momentum=0.9", "--deterministic",
-           *experiments.method_flags(METHODS[name], 0.01)]
+    config = experiments.train_config(
+        METHODS[name], 0.01, strategy="multiworker", dataset=dataset, model=FLAGS.model,
+        epochs=FLAGS.epochs, train_samples=FLAGS.train_samples,
+        test_samples=FLAGS.test_samples, model_dir=run_dir, batch_size=64, lr=0.05,
+        momentum=0.9, deterministic=True)
     if target is not None:
-        cmd[cmd.index(f"--epochs={FLAGS.epochs}")] = \
-            f"--epochs={FLAGS.epochs * FLAGS.target_epoch_factor}"
-        cmd.append(f"--stop_at_accuracy={target:.4f}")
+        config = config.replace(epochs=FLAGS.epochs * FLAGS.target_epoch_factor,
+                                stop_at_accuracy=round(target, 4))
+    cmd = [*experiments.TRAIN, *config.to_flags()]
     shaped = {} if link == "loopback" else {"bandwidth_mbit": float(link)}
     print(f"=== {name} on {link}{'' if link == 'loopback' else ' Mbit/s'}: "
           f"{' '.join(cmd[1:])}", flush=True)

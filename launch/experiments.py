@@ -18,8 +18,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
+from launch.config import TrainConfig
 from launch.method import DENSE, Method
 from tf_blocksparse.options import CompressionOptions
 
@@ -142,17 +143,28 @@ def method_flags(method: str, density: float | None = None) -> list[str]:
     return method_config(method, density).to_flags()
 
 
-def run_training(method: str, train_flags: Sequence[str], num_workers: int, density: float,
+def train_config(method: str, density: float | None = None, **fields: Any) -> TrainConfig:
+    """The ``launch.train`` config of one run of ``method`` (at ``density``, for the methods
+    that take one): the flags' defaults with ``fields`` (:class:`~launch.config.TrainConfig`
+    fields, e.g. ``model=``, ``epochs=``, ``seed=``) set.
+
+    Raises:
+      ValueError: An unknown method or field, or a value ``launch.train`` refuses.
+    """
+    return TrainConfig.default().replace(method=method_config(method, density), **fields)
+
+
+def run_training(method: str, config: TrainConfig, num_workers: int,
                  bandwidth_mbit: float | None = None, latency_ms: float | None = None,
                  timeout_s: float = 0.0, log: bool = False,
                  stream: TextIO | None = None) -> dict:
     """Trains once on a local cluster and returns the chief's metrics record.
 
     Args:
-        method: A key of :data:`METHODS`.
-        train_flags: Further ``launch/train.py`` flags (model, data, epochs, ...).
+        method: The run's name in the results (a key of :data:`METHODS`).
+        config: The run (:func:`train_config`); it runs with ``--strategy=multiworker``,
+            ``--deterministic`` and a temporary ``--model_dir``.
         num_workers: Worker processes.
-        density: Fraction kept by the sparse methods.
         bandwidth_mbit: Shape every worker's link to this rate (needs root); ``None``: loopback.
         latency_ms: Added one-way delay on the shaped links.
         timeout_s: Kill the cluster after this long (0: no limit).
@@ -166,9 +178,8 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
     from launch.cluster.local import run_local_cluster
 
     with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
-        cmd = [*TRAIN, "--strategy=multiworker", f"--model_dir={tmp}",
-               "--deterministic",
-               *method_flags(method, density), *train_flags]
+        run = config.replace(strategy="multiworker", model_dir=tmp, deterministic=True)
+        cmd = [*TRAIN, *run.to_flags()]
         # the workers count their wall clock from here (launch/callbacks.launch_seconds)
         kwargs: dict = {"env": {"TFBS_LAUNCH_TIME": repr(time.time())}}
         if bandwidth_mbit is not None:
@@ -194,8 +205,8 @@ def run_training(method: str, train_flags: Sequence[str], num_workers: int, dens
     return record
 
 
-def run_in_one_process(method: str, train_flags: Sequence[str], num_devices: int,
-                       density: float, timeout_s: float = 0.0) -> dict:
+def run_in_one_process(method: str, config: TrainConfig, num_devices: int,
+                       timeout_s: float = 0.0) -> dict:
     """Trains once in one process under ``MirroredStrategy`` on ``num_devices`` logical CPUs
     (the same wrapper and exchange per replica as a ``num_devices``-worker cluster, without
     the processes) and returns its metrics record, as :func:`run_training` does.
@@ -206,9 +217,9 @@ def run_in_one_process(method: str, train_flags: Sequence[str], num_devices: int
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
-        cmd = [*TRAIN, "--strategy=mirrored", f"--num_devices={num_devices}",
-               f"--model_dir={tmp}", "--deterministic", *method_flags(method, density),
-               *train_flags]
+        run = config.replace(strategy="mirrored", num_devices=num_devices, model_dir=tmp,
+                             deterministic=True)
+        cmd = [*TRAIN, *run.to_flags()]
         t0 = time.perf_counter()
         env = {**os.environ, "TFBS_LAUNCH_TIME": repr(time.time())}
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,

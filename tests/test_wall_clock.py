@@ -1,8 +1,13 @@
 """The wall-clock composition of launch.bench_wall_clock, on hand-made records."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from launch import bench_wall_clock as bw
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_epochs_to_target_is_the_first_epoch_reaching_it():
@@ -92,3 +97,28 @@ def test_files_with_another_shared_budget_are_refused(tmp_path):
     other = _convergence_file(tmp_path, "other.json", 3, [0.5, 0.8, 0.9], global_batch=64)
     with pytest.raises(ValueError, match="--convergence"):
         bw.load_convergence([short, f"m={other}"])
+
+
+def test_run_configs_render_the_committed_runs_flags():
+    """The configs the bench builds for its timing runs and direct checks are the command
+    lines of the committed runs (flags added since then aside)."""
+    doc = json.loads((ROOT / "benchmarks" / "results" / "time_to_accuracy.json").read_text())
+    base = "benchmarks/results/convergence.json"
+    sources = [base] + [f"{model}={entry['file']}"
+                        for model, entry in doc["budget"]["convergence"].items()
+                        if entry["file"] != base]
+    _, budgets, _ = bw.load_convergence([str(ROOT / s) if "=" not in s else
+                                         s.replace("=", f"={ROOT}/") for s in sources])
+    runs = [(t["method"], t["model"], t["record"]["flags"], {}) for t in doc["timings"]]
+    for check in doc["checks"]:
+        model, _, method, _ = check["run"].split(":")
+        runs.append((method, model, check["flags"],
+                     {"stop_at_accuracy": check["target"], "test_samples": 0}))
+    assert len(runs) > 10
+    for method, model, recorded, extra in runs:
+        config = bw._train_config(
+            method, model, budgets[model], recorded["epochs"], recorded["steps_per_epoch"],
+            recorded["seed"], doc["budget"]["setup"]["density"], **extra).replace(
+            strategy="multiworker", model_dir=recorded["model_dir"], deterministic=True)
+        got = config.flag_values()
+        assert {k: got[k] for k in recorded} == recorded, (model, method)
