@@ -3,6 +3,7 @@ the workers train apart inside a window and hold the same weights after every ep
 per step fall with the window, and a run killed mid-epoch resumes exactly (each worker gets
 its own inner momentum back)."""
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -21,8 +22,17 @@ ARGS = [sys.executable, "-m", "launch.train", "--strategy=multiworker", "--datas
 
 def test_local_steps_train_across_workers_and_resume_exactly(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    assert run_local_cluster([*ARGS, f"--model_dir={whole}"], 2, env=ENV, cwd=ROOT,
-                             timeout_s=300) == 0
+    # the uninterrupted run and the one killed mid-epoch are independent: launched together,
+    # their start-ups overlap
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        whole_rc = pool.submit(run_local_cluster, [*ARGS, f"--model_dir={whole}"], 2,
+                               env=ENV, cwd=ROOT, timeout_s=300)
+        broken_rc = pool.submit(run_local_cluster,
+                                [*ARGS, f"--model_dir={broken}", "--fail_at_step=30",
+                                 "--fail_worker=1"], 2, env=ENV, cwd=ROOT, timeout_s=300,
+                                grace_s=3)
+        assert whole_rc.result() == 0
+        assert broken_rc.result() == 17  # killed inside epoch 2
     m = json.loads((whole / "metrics.json").read_text())
     val = m["history"]["val_accuracy"]
     assert m["test_accuracy"] > 0.5 and len(val) == 2, val
@@ -31,10 +41,6 @@ def test_local_steps_train_across_workers_and_resume_exactly(tmp_path):
     sent, dense = m["payload_bytes_per_step"], m["dense_bytes_per_step"]
     assert 0 < sent * 3 < dense * 0.1 * 2, (sent, dense)  # density 0.1, amortised over ~4
     assert m["flags"]["sync_every"] == 4
-
-    rc = run_local_cluster([*ARGS, f"--model_dir={broken}", "--fail_at_step=30",
-                            "--fail_worker=1"], 2, env=ENV, timeout_s=300, grace_s=3)
-    assert rc == 17  # killed inside epoch 2
     state = broken / "backup" / "replica_state"
     saved = [np.load(state / f"worker_{i}.npz") for i in range(2)]
     meta = json.loads(str(saved[0]["meta"]))
