@@ -116,7 +116,7 @@ bench-full: venv data
 	cp runs/vgg_lr_warmup/convergence.json $(BENCH)/convergence_vgg_fc_lr_warmup.json
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_dense,local_block
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0 --methods=local_block_nesterov
-	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0 --out=runs/vgg_long
+	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --out=runs/vgg_long
 	cp runs/vgg_long/convergence.json $(BENCH)/convergence_vgg_fc_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --out=$(BENCH) && \

@@ -241,6 +241,7 @@ def local_steps_table(doc: dict) -> str:
 TABLES = {"time_to_accuracy_early.json": time_to_accuracy_table,
           "time_to_accuracy_early.json#breakdown": step_breakdown_table,
           "convergence.json": converged_table,
+          "convergence_vgg_fc_20_epochs.json": converged_table,
           "convergence_early.json": convergence_table, "demo.json": demo_table,
           "time_to_accuracy.json": wall_clock_table, "backup.json": backup_table,
           "pipeline_cluster.json": pipeline_cluster_table,

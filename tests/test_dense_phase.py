@@ -1,6 +1,8 @@
 """``dense_steps``: the first optimizer steps are ``exchange="dense"``'s, then the configured
 exchange takes over with its state moved exactly (2 real replicas)."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -50,14 +52,21 @@ def _fit(strategy, make_opt, epochs=2, callbacks=()):
     return model, opt, record
 
 
+@functools.cache
+def _dense_run(strategy):
+    """The reference of every comparison here: ``exchange="dense"`` over SGD with momentum
+    0.9, every replica's weights and the logs after each step (run once per module)."""
+    return _fit(strategy, lambda: tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), exchange="dense"))[2]
+
+
 @pytest.mark.parametrize("mode", ["allgather", "shared"])
 def test_dense_steps_are_the_dense_exchange_then_compress(mirrored2, mode):
     """dense_steps=3 over SGD with momentum (moved into momentum correction once sparse):
     steps 1-3 are exchange="dense"'s weights (bit for bit) and bytes, the later ones send
     one block per variable."""
     dense_steps = 3
-    _, _, dense = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.1, momentum=0.9), exchange="dense"))
+    dense = _dense_run(mirrored2)
     _, opt, ours = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode, dense_below=0,
         dense_steps=dense_steps))
@@ -80,8 +89,7 @@ def test_momentum_carries_over_the_switch(mirrored2, mode):
     """Every block sent (density=1.0) with local momentum 0.9 and no masking: the dense
     phase has the momentum in the inner SGD, the sparse one in the velocities; moved at the
     switch, the whole run is momentum SGD's (a lost momentum would show at once)."""
-    _, _, dense = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.1, momentum=0.9), exchange="dense"))
+    dense = _dense_run(mirrored2)
     _, opt, ours = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.1), density=1.0, exchange=mode, dense_below=0,
         momentum_correction=0.9, momentum_masking="none", dense_steps=3))
