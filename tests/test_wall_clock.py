@@ -104,11 +104,10 @@ def test_run_configs_render_the_committed_runs_flags():
     lines of the committed runs (flags added since then aside)."""
     doc = json.loads((ROOT / "benchmarks" / "results" / "time_to_accuracy.json").read_text())
     base = "benchmarks/results/convergence.json"
-    sources = [base] + [f"{model}={entry['file']}"
-                        for model, entry in doc["budget"]["convergence"].items()
-                        if entry["file"] != base]
-    _, budgets, _ = bw.load_convergence([str(ROOT / s) if "=" not in s else
-                                         s.replace("=", f"={ROOT}/") for s in sources])
+    _, budgets, _ = bw.load_convergence(
+        [str(ROOT / base)] + [f"{model}={ROOT / entry['file']}"
+                              for model, entry in doc["budget"]["convergence"].items()
+                              if entry["file"] != base])
     runs = [(t["method"], t["model"], t["record"]["flags"], {}) for t in doc["timings"]]
     for check in doc["checks"]:
         model, _, method, _ = check["run"].split(":")

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras import optimizer_step as step
+from tf_blocksparse.keras.exchange_schedule import ExchangeSchedule
 from tf_blocksparse.keras.optimizer_state import WrapperState
 from tf_blocksparse.keras.transforms import (
     ClippingTransform,
@@ -51,7 +52,8 @@ class ExchangeStep:
       metric: The block score (``"l1"`` or ``"l2"``).
     """
 
-    def __init__(self, clip: ClippingTransform, momentum: MomentumTransform, schedule: Any,
+    def __init__(self, clip: ClippingTransform, momentum: MomentumTransform,
+                 schedule: ExchangeSchedule,
                  compressor: Callable[[Sequence[int]], BlockTopK],
                  inner: keras.optimizers.Optimizer, nonfinite: str, metric: str):
         self._clip, self._momentum, self._schedule = clip, momentum, schedule
