@@ -30,7 +30,8 @@ def main(out_dir: str, exchange: str, dense_below: int = 0) -> None:
             keras.layers.Flatten(), keras.layers.Dense(2)])
         extra = {}
         if exchange == "auto":  # several groups, re-decided twice during the run
-            exchange = tfbs.AutoExchange(warmup_steps=3, remeasure_steps=10)
+            exchange = tfbs.AutoExchange(warmup_steps=3, remeasure_steps=10,
+                                          measure_budget=None)
             extra["fusion_buffer_bytes"] = 1024
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), k=1,
                                         exchange=exchange, dense_below=dense_below, **extra)

@@ -1,6 +1,8 @@
 """exchange="auto" in BlockSparseOptimizer on two real MirroredStrategy replicas, and the
 dense exchange's residual flush against a NumPy reference."""
 
+import types
+
 import keras
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tf_blocksparse import blocks
-from tf_blocksparse.auto.auto_exchange import fallback_mode
+from tf_blocksparse.auto.auto_exchange import fallback_mode, remeasure_gap
 from tf_blocksparse.exchange import run_exchange
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras.fit_loop import missing_fit_callbacks as _fit_callbacks
@@ -92,7 +94,7 @@ def _fit_auto(strategy, policy, **kwargs):
 
 
 def test_fit_measures_decides_and_reports(mirrored2):
-    policy = tfbs.AutoExchange(warmup_steps=4, remeasure_steps=4)
+    policy = tfbs.AutoExchange(warmup_steps=4, remeasure_steps=4, measure_budget=None)
     opt, callback = _fit_auto(mirrored2, policy, fusion_buffer_bytes=1024)
     decision = opt.exchange_decision
     assert decision is not None and len(decision.modes) >= 2
@@ -107,6 +109,28 @@ def test_fit_measures_decides_and_reports(mirrored2):
         assert key in m, key
     assert m["auto_sparse_groups"] + m["auto_dense_groups"] == len(decision.modes)
     assert m["exchange_s"] > 0 and m["exchange_s_total"] >= m["exchange_s"]
+
+
+def test_remeasuring_keeps_within_its_budget_of_the_training_time(mirrored2):
+    """After a re-measurement the next one waits until measuring is at most
+    ``measure_budget`` of the (predicted) training time, and never less than
+    ``remeasure_steps``; the first re-decision re-measures nothing and keeps the gap."""
+    decision = types.SimpleNamespace(step_s=0.01)
+    chooser = types.SimpleNamespace(strategy=mirrored2)
+    policy = tfbs.AutoExchange(remeasure_steps=4)  # budget 1%
+    assert remeasure_gap(policy, chooser, decision, 0.5) == 5000  # 0.5 s / (1% of 10 ms)
+    assert remeasure_gap(policy, chooser, decision, 1e-6) == 4
+    assert remeasure_gap(policy, chooser, decision, None) == 4
+    assert remeasure_gap(policy, chooser, None, 0.5) == 4
+    unlimited = tfbs.AutoExchange(remeasure_steps=4, measure_budget=None)
+    assert remeasure_gap(unlimited, chooser, decision, 0.5) == 4
+    never = tfbs.AutoExchange(remeasure_steps=0)
+    assert remeasure_gap(never, chooser, decision, 0.5) == float("inf")
+    # in fit: step 4 re-decides with the build-time figures, step 8 re-measures (tens of
+    # milliseconds against a step of about a millisecond), then nothing within the run
+    tight = tfbs.AutoExchange(warmup_steps=4, remeasure_steps=4, measure_budget=0.01)
+    _, callback = _fit_auto(mirrored2, tight, fusion_buffer_bytes=1024)
+    assert [step for step, _ in callback.decisions] == [4, 8]
 
 
 def test_the_callback_weighs_a_switch_against_the_steps_left(mirrored2):

@@ -164,6 +164,8 @@ def test_a_switch_must_pay_for_its_retrace():
     ({"probe_repeats": 0}, "probe_repeats"), ({"probe_seconds": -1.0}, "probe_seconds"),
     ({"warmup_steps": 0}, "warmup_steps"),
     ({"remeasure_steps": -1}, "remeasure_steps"), ({"hysteresis": 1.0}, "hysteresis"),
+    ({"measure_budget": 0.0}, "measure_budget"), ({"measure_budget": 1.5}, "measure_budget"),
+    ({"measure_budget": float("nan")}, "measure_budget"),
     ({"compute_prior": -1.0}, "compute_prior"), ({"compute_prior": True}, "compute_prior"),
 ])
 def test_bad_policy_arguments_are_named(kwargs, name):

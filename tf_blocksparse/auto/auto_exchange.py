@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,7 +53,7 @@ from tf_blocksparse.planning.exchange_cost import (
 )
 
 __all__ = ["AutoExchangeCallback", "ExchangeChooser", "can_measure", "compression_seconds",
-           "fallback_mode"]
+           "fallback_mode", "remeasure_gap"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -218,13 +219,42 @@ class ExchangeChooser:
         return [dataclasses.replace(g, compress_s=t) for g, t in zip(free, self._compress_s)]
 
 
+def remeasure_gap(policy: AutoExchange, chooser: ExchangeChooser,
+                  decision: ExchangeDecision | None, spent_s: float | None) -> float:
+    """Steps until the next re-measurement: ``policy.remeasure_steps``, or more so that
+    measuring takes at most ``policy.measure_budget`` of the training time.
+
+    Args:
+      policy: The automatic exchange's policy.
+      chooser: Its chooser (the strategy whose workers agree on the measuring seconds).
+      decision: The decision just taken (``None``: nothing was measured).
+      spent_s: This worker's seconds of that decision's measuring; ``None`` where it
+        re-measured nothing (the first re-decision reuses the build-time figures).
+
+    Returns:
+      The gap in steps (``inf``: never again).  Every worker gets the same one: the
+      seconds are averaged over the workers (a collective, so every worker calls this
+      together) and the step time is the decision's prediction from agreed figures.
+    """
+    every = policy.remeasure_steps
+    if not every:
+        return float("inf")
+    if policy.measure_budget is None or spent_s is None or decision is None:
+        return every
+    with chooser.strategy.scope():
+        spent = link_probe.agree_mean(chooser.strategy, [spent_s])[0]
+    step_s = max(decision.step_s, 1e-9)
+    return max(every, math.ceil(spent / (policy.measure_budget * step_s)))
+
+
 class AutoExchangeCallback(keras.callbacks.Callback):
     """Re-decides the automatic exchange with measured step times during ``model.fit``.
 
     After the policy's ``warmup_steps`` steps the choice is re-taken with the time per step
     outside the exchange (the median step time of the steps since the last decision minus
     their mean exchange time) and the build-time measurements; every ``remeasure_steps``
-    steps after that the link and compression are measured again too, and a new choice
+    steps after that (or further apart, within the policy's ``measure_budget``:
+    :func:`remeasure_gap`) the link and compression are measured again too, and a new choice
     must beat the current one by the policy's ``hysteresis``.  Every worker runs callbacks,
     so every worker takes part in the measurements.  When it changed, the train function is
     re-traced.  ``model.fit`` adds one by itself when the model's optimizer exchanges with
@@ -297,14 +327,15 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         epochs, per_epoch = params.get("epochs"), params.get("steps")
         steps_left = (max(0, epochs * per_epoch - self._steps) // every
                       if epochs and per_epoch else None)  # exchanges left
+        spent = chooser.measure_s
         decision = chooser.decide(compute_s, remeasure=not first, hysteresis=not first,
                                   switch_s=switch_s, steps_left=steps_left)
         if decision is not None:
             self.decisions.append((self._steps, decision))
             if list(decision.modes) != before:
                 self.model.make_train_function(force=True)
-        every = opt.exchange.remeasure_steps
-        self._next = self._steps + every if every else float("inf")
+        self._next = self._steps + remeasure_gap(
+            opt.exchange, chooser, decision, None if first else chooser.measure_s - spent)
         self._window_start = self._totals(opt)
         self._walls = []
 

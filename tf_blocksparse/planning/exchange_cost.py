@@ -120,7 +120,13 @@ class AutoExchange:
         and buffers (>= 0; 0: ``probe_bytes`` only).
       warmup_steps: Steps after which the first decision with a measured compute time is
         taken (by ``AutoExchangeCallback``).
-      remeasure_steps: Steps between later re-measurements (0: never).
+      remeasure_steps: Steps between later re-measurements (0: never): the least gap.
+      measure_budget: The largest fraction of the training time that re-measuring may
+        take (in (0, 1]; ``None``: no limit): after each re-measurement the next one waits
+        ``max(remeasure_steps, measuring seconds / (measure_budget * predicted step
+        seconds))`` steps, from figures every worker agrees on.  On a fast link, where a
+        step takes tens of milliseconds and a re-measurement a few tenths of a second, the
+        default (1%) spaces them further than ``remeasure_steps``.
       hysteresis: A new decision replaces the current one only if predicted at least this
         fraction faster (in [0, 1)), so noise does not flip it back and forth.
       compute_prior: Before any step has been timed (the build-time decision), the time per
@@ -146,6 +152,7 @@ class AutoExchange:
     probe_seconds: float = 0.03
     warmup_steps: int = 20
     remeasure_steps: int = 500
+    measure_budget: float | None = 0.01
     hysteresis: float = 0.05
     compute_prior: float = 30.0
 
@@ -182,6 +189,10 @@ class AutoExchange:
         number("probe_seconds", self.probe_seconds)
         count("warmup_steps", self.warmup_steps, 1)
         count("remeasure_steps", self.remeasure_steps, 0)
+        if self.measure_budget is not None and \
+                not 0 < number("measure_budget", self.measure_budget) <= 1:
+            raise ValueError(f"`measure_budget` must be in (0, 1] or None, "
+                             f"got {self.measure_budget!r}")
         if number("hysteresis", self.hysteresis) >= 1:
             raise ValueError(f"`hysteresis` must be in [0, 1), got {self.hysteresis!r}")
         number("compute_prior", self.compute_prior)
