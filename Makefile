@@ -129,6 +129,9 @@ bench-full: venv data
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --out=$(BENCH) \
 			--convergence=$(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json && \
+		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
+			--methods=dense,block_default,block_auto_default --out=$(BENCH) \
+			--convergence=$(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=100,10 \
 			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
 			--timing_steps=64 --convergence=$(BENCH)/convergence.json --out=runs/local_wall && \
