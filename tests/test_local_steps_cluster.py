@@ -9,6 +9,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 
 from launch.cluster.local import run_local_cluster
 from tests.saved_files import final_weights
@@ -20,6 +21,11 @@ ARGS = [sys.executable, "-m", "launch.train", "--strategy=multiworker", "--datas
         "--compression=block", "--density=0.1", "--exchange=allgather", "--sync_every=4"]
 
 
+# Three 2-worker clusters (about a tenth of the default suite's CPU time): `make test-slow`.
+# The default suite covers local steps on MirroredStrategy (tests/test_local_steps.py: one
+# local step equals the per-step exchange, windows, synchronised evaluation and saving) and
+# the kill-and-resume of a multi-worker run (tests/test_train.py).
+@pytest.mark.slow
 def test_local_steps_train_across_workers_and_resume_exactly(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     # the uninterrupted run and the one killed mid-epoch are independent: launched together,
