@@ -116,16 +116,15 @@ def test_remeasuring_keeps_within_its_budget_of_the_training_time(mirrored2):
     ``measure_budget`` of the (predicted) training time, and never less than
     ``remeasure_steps``; the first re-decision re-measures nothing and keeps the gap."""
     decision = types.SimpleNamespace(step_s=0.01)
-    chooser = types.SimpleNamespace(strategy=mirrored2)
     policy = tfbs.AutoExchange(remeasure_steps=4)  # budget 1%
-    assert remeasure_gap(policy, chooser, decision, 0.5) == 5000  # 0.5 s / (1% of 10 ms)
-    assert remeasure_gap(policy, chooser, decision, 1e-6) == 4
-    assert remeasure_gap(policy, chooser, decision, None) == 4
-    assert remeasure_gap(policy, chooser, None, 0.5) == 4
+    assert remeasure_gap(policy, mirrored2, decision, 0.5) == 5000  # 0.5 s / (1% of 10 ms)
+    assert remeasure_gap(policy, mirrored2, decision, 1e-6) == 4
+    assert remeasure_gap(policy, mirrored2, decision, None) == 4
+    assert remeasure_gap(policy, mirrored2, None, 0.5) == 4
     unlimited = tfbs.AutoExchange(remeasure_steps=4, measure_budget=None)
-    assert remeasure_gap(unlimited, chooser, decision, 0.5) == 4
+    assert remeasure_gap(unlimited, mirrored2, decision, 0.5) == 4
     never = tfbs.AutoExchange(remeasure_steps=0)
-    assert remeasure_gap(never, chooser, decision, 0.5) == float("inf")
+    assert remeasure_gap(never, mirrored2, decision, 0.5) == float("inf")
     # in fit: step 4 re-decides with the build-time figures, step 8 re-measures (tens of
     # milliseconds against a step of about a millisecond), then nothing within the run
     tight = tfbs.AutoExchange(warmup_steps=4, remeasure_steps=4, measure_budget=0.01)

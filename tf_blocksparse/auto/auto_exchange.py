@@ -219,14 +219,14 @@ class ExchangeChooser:
         return [dataclasses.replace(g, compress_s=t) for g, t in zip(free, self._compress_s)]
 
 
-def remeasure_gap(policy: AutoExchange, chooser: ExchangeChooser,
+def remeasure_gap(policy: AutoExchange, strategy: tf.distribute.Strategy,
                   decision: ExchangeDecision | None, spent_s: float | None) -> float:
     """Steps until the next re-measurement: ``policy.remeasure_steps``, or more so that
     measuring takes at most ``policy.measure_budget`` of the training time.
 
     Args:
       policy: The automatic exchange's policy.
-      chooser: Its chooser (the strategy whose workers agree on the measuring seconds).
+      strategy: The strategy whose workers agree on the measuring seconds.
       decision: The decision just taken (``None``: nothing was measured).
       spent_s: This worker's seconds of that decision's measuring; ``None`` where it
         re-measured nothing (the first re-decision reuses the build-time figures).
@@ -241,8 +241,8 @@ def remeasure_gap(policy: AutoExchange, chooser: ExchangeChooser,
         return float("inf")
     if policy.measure_budget is None or spent_s is None or decision is None:
         return every
-    with chooser.strategy.scope():
-        spent = link_probe.agree_mean(chooser.strategy, [spent_s])[0]
+    with strategy.scope():
+        spent = link_probe.agree_mean(strategy, [spent_s])[0]
     step_s = max(decision.step_s, 1e-9)
     return max(every, math.ceil(spent / (policy.measure_budget * step_s)))
 
@@ -335,7 +335,8 @@ class AutoExchangeCallback(keras.callbacks.Callback):
             if list(decision.modes) != before:
                 self.model.make_train_function(force=True)
         self._next = self._steps + remeasure_gap(
-            opt.exchange, chooser, decision, None if first else chooser.measure_s - spent)
+            opt.exchange, chooser.strategy, decision,
+            None if first else chooser.measure_s - spent)
         self._window_start = self._totals(opt)
         self._walls = []
 
