@@ -16,7 +16,10 @@ one direct run:
    epoch, as in a real run): a full epoch's wall seconds are the measured per-step training
    seconds times the full epoch's steps plus the measured rest of a steady epoch (evaluation,
    backup, waits); the one-time seconds are what the first epoch took beyond a steady one plus
-   everything before it (process start, TensorFlow import, tracing, measuring).
+   everything before it (process start, TensorFlow import, tracing, measuring).  With
+   ``--timing_repeats=R`` every method is timed R times, in turns (dense, block, ..., dense,
+   block, ...), so a slow spell of the machine hits every method alike; the composition takes
+   the median of each part over the repeats, and each repeat's parts are kept.
 3. ``wall_s = one_time_s + epochs_to_target x epoch_wall_s``; ``train_s`` (the training-only
    clock) ``= epochs_to_target x epoch_train_s``.
 
@@ -67,6 +70,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("timing_steps", 40, "Steps per epoch of the timing runs.",
                          lower_bound=2)
     flags.DEFINE_integer("timing_epochs", 3, "Epochs of the timing runs.", lower_bound=2)
+    flags.DEFINE_integer("timing_repeats", 1, "Timing runs per model x rate x method, taken "
+                         "in turns (every method once, then again); their median parts are "
+                         "composed.", lower_bound=1)
     flags.DEFINE_float("density", 0.05, "Density of methods that take one.")
     flags.DEFINE_list("check", [], "MODEL:RATE:METHOD:SEED runs to train directly.")
     flags.DEFINE_boolean("resume", True, "Keep the timings and checks of OUT's file with "
@@ -124,6 +130,37 @@ def epoch_parts(record: dict, full_steps: int) -> dict:
             "epoch_wall_s": round(epoch_train + other_s, 3), "one_time_s": round(one_time, 3),
             "eval_s": round(statistics.fmean(record["eval_s_per_epoch"][1:]), 3),
             "backup_s": round(statistics.fmean(record["backup_s_per_epoch"][1:]), 3)}
+
+
+#: The measured parts of :func:`epoch_parts`; the others are derived from them.
+_MEASURED = ("step_s", "epoch_other_s", "one_time_s", "eval_s", "backup_s")
+
+
+def timing_order(keys: list[tuple], repeats: int) -> list[tuple]:
+    """The timing runs of ``keys`` (model, rate, method) repeated ``repeats`` times, in
+    turns: every key once, then every key again, so that a slow spell of the machine falls
+    on every method alike rather than on one method's repeats."""
+    return [key for _ in range(repeats) for key in keys]
+
+
+def median_parts(repeats: list[dict], full_steps: int) -> dict:
+    """The parts of several timing runs of one model x rate x method combined: the median
+    of each measured part (per-step training, the rest of an epoch, one-time, evaluation and
+    backup seconds), a full epoch's training and wall seconds derived from them.
+
+    Args:
+      repeats: :func:`epoch_parts` of each run (at least one).
+      full_steps: Steps of a full epoch.
+    """
+    if not repeats:
+        raise ValueError("`repeats`: no timing run to combine")
+    med = {k: statistics.median(p[k] for p in repeats) for k in _MEASURED}
+    train = med["step_s"] * full_steps
+    return {"step_s": round(med["step_s"], 5), "epoch_train_s": round(train, 3),
+            "epoch_other_s": round(med["epoch_other_s"], 3),
+            "epoch_wall_s": round(train + med["epoch_other_s"], 3),
+            "one_time_s": round(med["one_time_s"], 3), "eval_s": round(med["eval_s"], 3),
+            "backup_s": round(med["backup_s"], 3)}
 
 
 def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
@@ -186,8 +223,19 @@ def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
                         "epochs_to_target")},
                     "reached": sum(r["epochs_to_target"] is not None for r in rows),
                     **{k: parts[k] for k in ("epoch_wall_s", "epoch_train_s", "one_time_s",
-                                             "eval_s", "backup_s")}})
+                                             "eval_s", "backup_s")},
+                    **_round_ratios(timings[(model, rate, "dense")], parts)})
     return records, summary, targets
+
+
+def _round_ratios(dense: dict, parts: dict) -> dict:
+    """With repeated timing runs: dense's epoch wall seconds over the method's, per round
+    of turns (each ratio from runs taken one after the other), as {mean, std, min, max, n}."""
+    a, b = dense.get("repeat_epoch_wall_s"), parts.get("repeat_epoch_wall_s")
+    if not a or not b or len(a) != len(b):
+        return {}
+    return {"epoch_wall_ratio_vs_dense_per_round":
+            experiments.spread([x / y for x, y in zip(a, b)], 3)}
 
 
 def load_curves(path: str) -> tuple[dict, dict]:
@@ -265,6 +313,8 @@ def main(argv: list[str]) -> None:
     setup = {"num_workers": f.num_workers, "timing_steps": f.timing_steps,
              "timing_epochs": f.timing_epochs, "density": f.density,
              "convergence_budget": {k: v for k, v in budget.items() if k not in _PER_MODEL}}
+    if f.timing_repeats > 1:  # files of single timing runs keep their set-up
+        setup["timing_repeats"] = f.timing_repeats
     old, old_checks, prev_sources = {}, {}, {}
     if f.resume and os.path.exists(path):
         with open(path) as fh:
@@ -274,31 +324,52 @@ def main(argv: list[str]) -> None:
             old = {(t["model"], t["bandwidth_mbit"], t["method"]): t for t in prev["timings"]}
             old_checks = {c["run"]: c for c in prev.get("checks", [])}
     timings, runs = {}, []
-    for model in f.models:
-        full_steps = None
-        for rate in rates:
-            for method in f.methods:
-                key = (model, rate, method)
-                if key in old:
-                    timings[key] = old[key]["parts"]
-                    runs.append(old[key])
-                    continue
-                rec = experiments.run_training(
-                    method, _train_config(method, model, budgets[model], f.timing_epochs,
-                                          f.timing_steps, 0, f.density),
-                    f.num_workers, bandwidth_mbit=rate, timeout_s=3600)
-                full_steps = full_steps or _full_steps(model, budgets[model], f.num_workers)
-                timings[key] = epoch_parts(rec, full_steps)
-                timings[key]["curves_of"] = curves_of(method, rec)
-                timings[key]["auto_modes"] = rec.get("auto_modes")
-                runs.append({"model": model, "bandwidth_mbit": rate, "method": method,
-                             "parts": timings[key], "full_steps": full_steps,
-                             "record": experiments.slim(rec) | {
-                                 k: rec.get(k) for k in ("epoch_wall_s", "eval_s_per_epoch",
-                                                         "backup_s_per_epoch", "start_s",
-                                                         "flags", "provenance")}})
-                print(json.dumps({"model": model, "rate": rate, "method": method,
-                                  **timings[key]}), flush=True)
+    todo = [(model, rate, method) for model in f.models for rate in rates
+            for method in f.methods]
+    for key in todo:
+        if key in old:
+            timings[key] = old[key]["parts"]
+            runs.append(old[key])
+    measured: dict[tuple, list[tuple[dict, dict]]] = {}
+    full: dict[str, int] = {}
+    for key in timing_order([k for k in todo if k not in old], f.timing_repeats):
+        model, rate, method = key
+        rec = experiments.run_training(
+            method, _train_config(method, model, budgets[model], f.timing_epochs,
+                                  f.timing_steps, 0, f.density),
+            f.num_workers, bandwidth_mbit=rate, timeout_s=3600)
+        if model not in full:
+            full[model] = _full_steps(model, budgets[model], f.num_workers)
+        parts = epoch_parts(rec, full[model])
+        measured.setdefault(key, []).append((parts, rec))
+        print(json.dumps({"model": model, "rate": rate, "method": method,
+                          "repeat": len(measured[key]), **parts}), flush=True)
+    for key, done in measured.items():
+        model, rate, method = key
+        sources = {curves_of(method, rec) for _, rec in done}
+        modes = [rec.get("auto_modes") for _, rec in done]
+        parts = (dict(done[0][0]) if len(done) == 1
+                 else median_parts([p for p, _ in done], full[model]))
+        # the automatic exchange's curves are those of its mode, if every repeat chose it
+        parts["curves_of"] = sources.pop() if len(sources) == 1 else None
+        parts["auto_modes"] = modes[0] if all(m == modes[0] for m in modes) else modes
+        if len(done) > 1:  # each repeat's, in the order taken
+            parts["repeat_epoch_wall_s"] = [p["epoch_wall_s"] for p, _ in done]
+            parts["repeat_one_time_s"] = [p["one_time_s"] for p, _ in done]
+        timings[key] = parts
+        rec = done[0][1]
+        run = {"model": model, "bandwidth_mbit": rate, "method": method, "parts": parts,
+               "full_steps": full[model],
+               "record": experiments.slim(rec) | {
+                   k: rec.get(k) for k in ("epoch_wall_s", "eval_s_per_epoch",
+                                           "backup_s_per_epoch", "start_s", "flags",
+                                           "provenance")}}
+        if len(done) > 1:
+            run["repeats"] = [p for p, _ in done]
+            run["repeat_records"] = [{k: r.get(k) for k in (
+                "epoch_wall_s", "train_s_per_epoch", "start_s", "auto_modes",
+                "auto_measure_s", "test_correct")} for _, r in done]
+        runs.append(run)
     for key, run in old.items():  # timings of other models, rates and methods stay
         if key not in timings:
             timings[key] = run["parts"]

@@ -121,3 +121,43 @@ def test_run_configs_render_the_committed_runs_flags():
             strategy="multiworker", model_dir=recorded["model_dir"], deterministic=True)
         got = config.flag_values()
         assert {k: got[k] for k in recorded} == recorded, (model, method)
+
+
+def test_repeated_timing_runs_take_turns():
+    keys = [("m", 100.0, "dense"), ("m", 100.0, "block")]
+    assert bw.timing_order(keys, 1) == keys
+    assert bw.timing_order(keys, 3) == keys * 3  # dense, block, dense, block, ...
+
+
+def test_repeated_timing_runs_compose_their_median_parts():
+    def parts(step_s, other_s, one_time_s):
+        return {"step_s": step_s, "epoch_other_s": other_s, "one_time_s": one_time_s,
+                "eval_s": other_s / 2, "backup_s": 0.1, "epoch_train_s": 0.0,
+                "epoch_wall_s": 0.0}
+
+    runs = [parts(0.2, 3.0, 10.0), parts(0.5, 2.0, 30.0), parts(0.3, 4.0, 12.0)]
+    med = bw.median_parts(runs, full_steps=100)
+    assert med["step_s"] == 0.3 and med["epoch_other_s"] == 3.0 and med["one_time_s"] == 12.0
+    assert med["epoch_train_s"] == pytest.approx(30.0)  # 0.3 s x 100 steps
+    assert med["epoch_wall_s"] == pytest.approx(33.0)  # derived, not a median of its own
+    assert med["eval_s"] == 1.5 and med["backup_s"] == 0.1
+    assert bw.median_parts(runs[:1], 100)["epoch_wall_s"] == pytest.approx(23.0)
+    with pytest.raises(ValueError, match="repeats"):
+        bw.median_parts([], 100)
+
+
+def test_repeated_timings_report_the_per_round_ratio_to_dense():
+    curves = {("m", "dense"): {0: [0.5, 0.9]}, ("m", "block"): {0: [0.5, 0.9]}}
+    base = {"epoch_wall_s": 10.0, "epoch_train_s": 8.0, "one_time_s": 5.0, "eval_s": 1.0,
+            "backup_s": 0.5}
+    dense = dict(base, repeat_epoch_wall_s=[10.0, 12.0])
+    block = dict(base, epoch_wall_s=5.0, repeat_epoch_wall_s=[5.0, 4.0])
+    _, summary, _ = bw.compose(curves, {("m", 100.0, "dense"): dense,
+                                        ("m", 100.0, "block"): block}, ["m"], [100.0],
+                               ["dense", "block"], 0.003)
+    row = next(r for r in summary if r["method"] == "block")
+    ratio = row["epoch_wall_ratio_vs_dense_per_round"]
+    assert ratio["n"] == 2 and ratio["min"] == 2.0 and ratio["max"] == 3.0
+    single = bw.compose(curves, {("m", 100.0, "dense"): base, ("m", 100.0, "block"): base},
+                        ["m"], [100.0], ["dense", "block"], 0.003)[1]
+    assert all("epoch_wall_ratio_vs_dense_per_round" not in r for r in single)
