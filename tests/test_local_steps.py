@@ -184,6 +184,65 @@ def test_fit_evaluates_and_saves_synchronised_weights(mirrored2, tmp_path):
                                rtol=1e-6)
 
 
+class _Die(keras.callbacks.Callback):
+    """Ends ``fit`` with an error after ``after`` training steps (a killed worker)."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.after, self.seen = after, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.after:
+            raise RuntimeError("killed")
+
+
+def _local_fit(strategy, epochs, callbacks=()):
+    """A model trained with sync_every=3 on 5 steps per epoch (a partial window per epoch,
+    exchanged after its last step); the data come in the same order every epoch."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((80, 6)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    model = _model(strategy)
+    with strategy.scope():
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                        sync_every=3, density=0.25, dense_below=0)
+        model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=list(callbacks))
+    return model
+
+
+def _copies(strategy, variables):
+    return [[c.numpy() for c in strategy.experimental_local_results(v.value)]
+            for v in variables]
+
+
+def test_killed_inside_a_window_and_resumed_trains_as_the_uninterrupted_run(mirrored2,
+                                                                            tmp_path):
+    """Backed up after every epoch and killed two steps into a window of epoch 2: the resumed
+    run ends with the uninterrupted run's weights, and each replica with its own inner
+    momentum, its residuals and the outer optimizer's state, bit for bit."""
+    from tf_blocksparse.keras.backup import BackupAndRestore
+
+    whole = _local_fit(mirrored2, 3)
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="killed"):
+        _local_fit(mirrored2, 3, [BackupAndRestore(backup), _Die(7)])
+    resumed = _local_fit(mirrored2, 3, [BackupAndRestore(backup)])
+    a, b = whole.optimizer, resumed.optimizer
+    assert int(b.iterations.numpy()) == int(a.iterations.numpy()) == 15
+    for x, y in zip(whole.trainable_variables, resumed.trainable_variables):
+        np.testing.assert_array_equal(x.numpy(), y.numpy())
+    momenta = a.local_variables[:-len(whole.trainable_variables)]
+    assert momenta and all(not np.array_equal(*c) for c in _copies(mirrored2, momenta))
+    state = [*a.local_variables, *a.residuals, *a.outer_optimizer.variables]
+    again = [*b.local_variables, *b.residuals, *b.outer_optimizer.variables]
+    for want, got in zip(_copies(mirrored2, state), _copies(mirrored2, again)):
+        for x, y in zip(want, got):  # each replica its own copy
+            np.testing.assert_array_equal(x, y)
+
+
 @pytest.mark.parametrize("kwargs,named", [
     ({"sync_every": 0}, "sync_every"),
     ({"sync_every": True}, "sync_every"),

@@ -23,8 +23,10 @@ ARGS = [sys.executable, "-m", "launch.train", "--strategy=multiworker", "--datas
 
 # Three 2-worker clusters (about a tenth of the default suite's CPU time): `make test-slow`.
 # The default suite covers local steps on MirroredStrategy (tests/test_local_steps.py: one
-# local step equals the per-step exchange, windows, synchronised evaluation and saving) and
-# the kill-and-resume of a multi-worker run (tests/test_train.py).
+# local step equals the per-step exchange, windows, synchronised evaluation and saving, and a
+# run killed inside a window resuming bit for bit with every replica's own inner momentum)
+# and the kill-and-resume of a multi-worker run with its per-worker state files
+# (tests/test_train.py).
 @pytest.mark.slow
 def test_local_steps_train_across_workers_and_resume_exactly(tmp_path):
     whole, broken = tmp_path / "whole", tmp_path / "broken"
