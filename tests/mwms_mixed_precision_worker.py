@@ -1,7 +1,7 @@
 """One worker of the 2-process test of loss scaling: under ``mixed_float16`` worker 1's
 gradients overflow at one step, worker 0's do not.
 
-``model.compile`` wraps the ``BlockSparseOptimizer`` as ``LossScaleOptimizer(...)``.  A layer
+``model.compile`` gets ``tfbs.LossScaleOptimizer(BlockSparseOptimizer(...))`` and keeps it.  A layer
 multiplies its input by a factor that a callback sets to inf on worker 1 for batch
 ``POISONED_BATCH`` only.  After every batch the worker records the optimizer's iterations
 and loss scale; at the end its weights, and everything in ``OUT_DIR/mixed_<task>.json``.
@@ -71,9 +71,9 @@ def main(out_dir: str) -> None:
             keras.layers.Dense(2, dtype="float32")])
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1, dense_below=0,
                                         exchange="allgather")
-        model.compile(optimizer=opt,
+        model.compile(optimizer=tfbs.LossScaleOptimizer(opt),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(model.optimizer, tfbs.LossScaleOptimizer)
     poison = Poison(factor, task)
     hist = model.fit(ds, epochs=1, verbose=0, callbacks=[tfbs.BlockSparseMetrics(), poison])
     metrics = opt.block_sparse_metrics()  # a collective: every worker reads it

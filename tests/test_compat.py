@@ -324,25 +324,6 @@ def test_extend_callback_lists_adds_to_the_list_fit_builds():
                                           if e not in (ask, extend)]
 
 
-def test_delegate_loss_scale_check_asks_the_inner_optimizer():
-    """``LossScaleOptimizer.check_finite`` returns the inner optimizer's check where it has
-    the delegated method (here: not finite although the gradients are), Keras' own
-    otherwise; delegating twice wraps once."""
-    class Strict(keras.optimizers.SGD):
-        def tfbs_test_check(self, grads):
-            return tf.constant(False)
-
-    _compat.delegate_loss_scale_check("tfbs_test_check")
-    check = keras.optimizers.LossScaleOptimizer.check_finite
-    _compat.delegate_loss_scale_check("tfbs_test_check")
-    assert keras.optimizers.LossScaleOptimizer.check_finite is check
-    grads = [tf.ones((2,))]
-    assert not bool(keras.optimizers.LossScaleOptimizer(Strict(0.1)).check_finite(grads))
-    plain = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
-    assert bool(plain.check_finite(grads))
-    assert not bool(plain.check_finite([tf.constant([np.inf])]))
-
-
 def test_optimizer_strategy_is_the_strategy_at_construction(mirrored2):
     outside = keras.optimizers.SGD(0.1)
     with mirrored2.scope():

@@ -195,7 +195,7 @@ def test_the_optimizer_names_the_callbacks_fit_adds():
     assert [type(c) for c in opt.fit_callbacks(given)] == [tfbs.AutoExchangeCallback]
     fixed = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange="allgather")
     assert fixed.fit_callbacks() == []
-    scaled = keras.optimizers.LossScaleOptimizer(opt)
+    scaled = tfbs.LossScaleOptimizer(opt)
     assert find_block_sparse(scaled) is opt and find_block_sparse(scaled.inner_optimizer) is opt
     assert find_block_sparse(keras.optimizers.SGD(0.1)) is None
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])

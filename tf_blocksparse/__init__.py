@@ -50,6 +50,7 @@ _EXPORTS = {
     "ExactValidation": "tf_blocksparse.keras.evaluation",
     "FusedCrossDeviceOps": "tf_blocksparse.distribute.fused_ops",  # deprecated name
     "HybridTrainer": "tf_blocksparse.hybrid.trainer",
+    "LossScaleOptimizer": "tf_blocksparse.keras.loss_scale",
     "MomentumCorrection": "tf_blocksparse.keras.momentum",
     "MultiWorkerMirroredStrategy": "tf_blocksparse.distribute.strategy",
     "Payload": "tf_blocksparse.feedback",

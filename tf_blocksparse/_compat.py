@@ -123,42 +123,6 @@ def momentum_only_where(optimizer: Any, keep: Callable[[int], bool]) -> None:
     optimizer.update_step = selective_update_step
 
 
-def delegate_loss_scale_check(method: str) -> None:
-    """Makes Keras' ``LossScaleOptimizer.check_finite(grads)`` return
-    ``inner_optimizer.<method>(grads)`` where its inner optimizer has that method (Keras' own
-    check, of the local gradients, otherwise).  Applying it again does nothing.
-
-    ``LossScaleOptimizer`` decides whether to apply or skip a step (and whether to lower its
-    scale) from that check, before its inner optimizer sees the gradients; an inner
-    optimizer that exchanges them itself needs every replica to take the same branch.
-    ``model.compile`` wraps the optimizer under ``mixed_float16`` itself, so the method is
-    wrapped once on the class, as :func:`extend_callback_lists` wraps ``CallbackList``.
-    """
-    from keras.optimizers import LossScaleOptimizer
-
-    check = LossScaleOptimizer.check_finite
-    if not callable(check):
-        raise RuntimeError(
-            "LossScaleOptimizer has no `check_finite`: this Keras version is not supported "
-            f"(tested: Keras {TESTED['keras']})")
-    delegated = getattr(check, "_tfbs_delegated", ())
-    if method in delegated:
-        return
-    own = getattr(check, "_tfbs_own", check)
-    methods = (*delegated, method)
-
-    def check_finite(self: Any, grads: Any) -> Any:
-        for name in methods:
-            fn = getattr(self.inner_optimizer, name, None)
-            if callable(fn):
-                return fn(grads)
-        return own(self, grads)
-
-    check_finite._tfbs_delegated = methods  # type: ignore[attr-defined]
-    check_finite._tfbs_own = own  # type: ignore[attr-defined]
-    LossScaleOptimizer.check_finite = check_finite
-
-
 #: Functions ``(model, callbacks) -> extra callbacks`` that every ``fit``'s list consults.
 _CALLBACK_EXTENDERS: list[Callable[[Any, list], list]] = []
 
@@ -348,7 +312,6 @@ def xplane_proto() -> Any:
 
 __all__: Sequence[str] = [
     "TESTED", "TESTED_PAIRS", "after_gradient_all_reduce", "build_input_shapes",
-    "delegate_loss_scale_check",
     "disable_gradient_all_reduce", "flatten_layers", "gradient_all_reduce_disabled",
     "assign_replica_copies", "is_on_read", "keras_history",
     "local_components", "no_automatic_dependency_tracking", "nodes_by_depth",

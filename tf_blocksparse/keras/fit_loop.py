@@ -34,7 +34,16 @@ __all__ = ["BlockSparseBase", "find_block_sparse", "missing_fit_callbacks"]
 class BlockSparseBase:
     """Base class of :class:`~tf_blocksparse.keras.optimizer.BlockSparseOptimizer`: what
     :func:`find_block_sparse` looks for, so that the callbacks need not import the
-    optimizer (which imports them)."""
+    optimizer (which imports them).
+
+    Attributes:
+      loss_scaled_by: ``None``; ``"agreed"`` once a
+        :class:`~tf_blocksparse.keras.loss_scale.LossScaleOptimizer` wraps it, ``"keras"``
+        once another loss-scale optimizer does (Keras' clears its inner optimizer's loss
+        scale factor).
+    """
+
+    loss_scaled_by: str | None = None
 
     def fit_callbacks(self, callbacks: Sequence[Any] = ()) -> list[Any]:
         """The callbacks ``model.fit`` needs for this optimizer that ``callbacks`` lacks."""

@@ -20,11 +20,13 @@ gradient holds an inf or NaN, every replica skips the step: weights, inner optim
 ``iterations`` and residuals stay exactly as they were; ``skipped_steps`` counts it.
 ``nonfinite="apply"`` applies whatever arrives (for debugging).
 
-Mixed precision: wrap this optimizer in ``keras.optimizers.LossScaleOptimizer`` (outside;
-``model.compile`` does under ``mixed_float16``); a ``LossScaleOptimizer`` *inside* is rejected
-because residuals would mix loss scales.  The outer one's overflow check is
-:meth:`BlockSparseOptimizer.agreed_finite` (:mod:`~tf_blocksparse.keras.loss_scale`): a step
-that overflows on any replica is skipped on every one, which all lower their scale.
+Mixed precision: wrap this optimizer in :class:`~tf_blocksparse.keras.loss_scale.LossScaleOptimizer`
+(``tfbs.LossScaleOptimizer``, outside; ``model.compile`` keeps it): its overflow check is
+:meth:`BlockSparseOptimizer.agreed_finite`, so a step that overflows on any replica is skipped
+on every one, which all lower their scale.  Keras' own ``LossScaleOptimizer`` (which
+``model.compile`` puts around the optimizer under ``mixed_float16``) checks each replica's
+gradients alone: with several replicas it is refused at the first step, naming this one.  A
+loss-scale optimizer *inside* is rejected because residuals would mix loss scales.
 """
 
 from __future__ import annotations
@@ -304,6 +306,16 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "loss_scale_factor" and "_saving" in self.__dict__:
+            # set after construction: a loss-scale optimizer clearing it as it wraps this one
+            if value is not None:
+                raise ValueError(f"`loss_scale_factor`: got {value!r}; scale the loss with "
+                                 "tfbs.LossScaleOptimizer(BlockSparseOptimizer(...)) instead")
+            if self.loss_scaled_by is None:
+                self.loss_scaled_by = "keras"
+        super().__setattr__(name, value)
+
     def agreed_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Whether no replica's ``grads`` hold an inf or NaN (the same on every replica: one
         scalar all-reduce).  An outer ``LossScaleOptimizer`` checks with it, so all replicas
@@ -329,6 +341,8 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
             self.built = True
+        loss_scale.check_outer_loss_scale(self.loss_scaled_by,
+                                          self._distribution_strategy.num_replicas_in_sync)
         tvs = list(self._trainable_variables if trainable_variables is None
                    else trainable_variables)
         if len(grads) != len(tvs):
@@ -430,8 +444,6 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         return cls(inner, **config)
 
 
-# An outer LossScaleOptimizer decides with the check every replica agrees on.
-_compat.delegate_loss_scale_check("agreed_finite")
 # model.fit gets the callbacks the optimizer needs (re-decisions of the automatic exchange, the
 # end of a dense phase) without the user adding them: see tf_blocksparse.keras.fit_loop.
 _compat.extend_callback_lists(missing_fit_callbacks)
