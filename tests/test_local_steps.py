@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
+from tests.interrupt import Die
 
 SHAPES = [(6, 8), (8,), (8, 3), (3,)]
 
@@ -184,19 +185,6 @@ def test_fit_evaluates_and_saves_synchronised_weights(mirrored2, tmp_path):
                                rtol=1e-6)
 
 
-class _Die(keras.callbacks.Callback):
-    """Ends ``fit`` with an error after ``after`` training steps (a killed worker)."""
-
-    def __init__(self, after):
-        super().__init__()
-        self.after, self.seen = after, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.after:
-            raise RuntimeError("killed")
-
-
 def _local_fit(strategy, epochs, callbacks=()):
     """A model trained with sync_every=3 on 5 steps per epoch (a partial window per epoch,
     exchanged after its last step); the data come in the same order every epoch."""
@@ -228,7 +216,7 @@ def test_killed_inside_a_window_and_resumed_trains_as_the_uninterrupted_run(mirr
     whole = _local_fit(mirrored2, 3)
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="killed"):
-        _local_fit(mirrored2, 3, [BackupAndRestore(backup), _Die(7)])
+        _local_fit(mirrored2, 3, [BackupAndRestore(backup), Die(7)])
     resumed = _local_fit(mirrored2, 3, [BackupAndRestore(backup)])
     a, b = whole.optimizer, resumed.optimizer
     assert int(b.iterations.numpy()) == int(a.iterations.numpy()) == 15

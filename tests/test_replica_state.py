@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
+from tests.interrupt import Die
 from tf_blocksparse import _compat
 from tf_blocksparse.keras import replica_state
 from tf_blocksparse.keras.backup import BackupAndRestore
@@ -86,22 +87,11 @@ def test_an_incomplete_set_is_refused(mirrored2, tmp_path):
         replica_state.restore(model.optimizer, str(tmp_path), 0, 2)
 
 
-class _Die(keras.callbacks.Callback):
-    def __init__(self, after):
-        super().__init__()
-        self.after, self.seen = after, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.after:
-            raise RuntimeError("killed")
-
-
 def _interrupted(strategy, backup, after=6):
     model = _model(strategy)
     with pytest.raises(RuntimeError, match="killed"):
         model.fit(_data(), epochs=3, steps_per_epoch=4, verbose=0,
-                  callbacks=[BackupAndRestore(backup), _Die(after)])
+                  callbacks=[BackupAndRestore(backup), Die(after)])
 
 
 def test_resume_is_exact_and_a_torn_backup_falls_back(mirrored2, tmp_path):
