@@ -36,7 +36,6 @@ __all__ = ["LossScaleOptimizer", "check_outer_loss_scale", "finite_on_every_repl
            "locally_finite"]
 
 
-
 def locally_finite(grads: Sequence[Any]) -> tf.Tensor:
     """Scalar bool: every entry of this replica's ``grads`` is finite (``None`` skipped,
     ``IndexedSlices`` by their values)."""
