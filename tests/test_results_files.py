@@ -111,15 +111,16 @@ def test_convergence_file():
     _png("convergence.png")
 
 
-@pytest.mark.parametrize("name", ["convergence_vgg_fc_20_epochs.json",
-                                  "convergence_vgg_fc_lr_warmup.json"])
-def test_other_budget_convergence_files(name):
-    """One model at another budget (twice the epochs, a learning-rate warm-up): the same
+@pytest.mark.parametrize("name,model", [("convergence_vgg_fc_20_epochs.json", "vgg_fc"),
+                                        ("convergence_vgg_fc_lr_warmup.json", "vgg_fc"),
+                                        ("convergence_resnet20_20_epochs.json", "resnet20")])
+def test_other_budget_convergence_files(name, model):
+    """One model at another budget (more epochs, a learning-rate warm-up): the same
     schema, every verdict the rule applied to dense's curve where dense ran."""
     doc = _load(name)
     rows = doc["records"]
     _check_convergence_rows(rows)
-    assert [*doc["budget"]["epochs"]] == ["vgg_fc"] and doc["budget"]["rule"]
+    assert [*doc["budget"]["epochs"]] == [model] and doc["budget"]["rule"]
     from launch.bench_convergence import converged
     for model, verdict in doc["budget"]["converged"].items():
         dense = next(r for r in rows if (r["model"], r["method"]) == (model, "dense"))
