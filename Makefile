@@ -134,6 +134,10 @@ bench-full: venv data
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --out=$(BENCH) \
 			--convergence=$(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json && \
+		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
+			--methods=dense,block_auto_default --timing_repeats=3 \
+			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \
+		cp runs/wall_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=100,10 \
 			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
 			--timing_steps=64 --convergence=$(BENCH)/convergence.json --out=runs/local_wall && \

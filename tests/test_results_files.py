@@ -160,6 +160,27 @@ def test_wall_clock_file():
     assert len(results_tables.wall_clock_table(doc).splitlines()) == len(doc["summary"]) + 2
 
 
+def test_repeated_wall_clock_file():
+    """Timing runs repeated in turns: every composed part is the median of the repeats, and
+    each repeat is kept."""
+    import statistics
+
+    doc = _load("time_to_accuracy_repeats.json")
+    repeats = doc["budget"]["setup"]["timing_repeats"]
+    assert repeats >= 3
+    for t in doc["timings"]:
+        parts = t["parts"]
+        assert len(t["repeats"]) == len(t["repeat_records"]) == repeats
+        for key in ("step_s", "epoch_other_s", "one_time_s"):
+            assert parts[key] == pytest.approx(statistics.median(r[key] for r in t["repeats"]),
+                                               abs=1e-3), key
+        assert parts["repeat_epoch_wall_s"] == [r["epoch_wall_s"] for r in t["repeats"]]
+    for row in doc["summary"]:
+        if row["method"] != "dense":
+            assert row["epoch_wall_ratio_vs_dense_per_round"]["n"] == repeats
+    assert len(results_tables.wall_clock_table(doc).splitlines()) == len(doc["summary"]) + 2
+
+
 def test_backup_file():
     """A block-sparse backup puts (nearly) no bytes on the links: far below its state."""
     doc = _load("backup.json")
