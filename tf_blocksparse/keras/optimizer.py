@@ -92,16 +92,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     elements sent whole, the SGD's momentum moved before a sparse exchange.  ``exchange=
     "allgather"`` always compresses.
 
-    The inner (and outer) optimizer is touched in these ways only, all through
-    :mod:`~tf_blocksparse.keras.inner_optimizer`: its gradient all-reduce is disabled
-    (:func:`~tf_blocksparse.keras.inner_optimizer.take_over`); with
-    ``momentum_correction="auto"`` an inner SGD's momentum is moved to the policy, its own
-    set to 0 (:func:`~tf_blocksparse.keras.inner_optimizer.move_momentum`); with a changing
-    exchange (``exchange="auto"``, ``dense_steps``) and local momentum over a plain SGD, the
-    SGD applies the factor to the dense groups' variables only
-    (:func:`~tf_blocksparse.keras.inner_optimizer.momentum_in_dense_groups`, a patch of its
-    ``update_step``); and ``get_config`` then writes its momentum as 0
-    (:func:`~tf_blocksparse.keras.inner_optimizer.inner_config`).
+    The inner (and outer) optimizer is touched only through
+    :mod:`~tf_blocksparse.keras.inner_optimizer`, which lists every way (its all-reduce
+    switched off; with a sparse exchange an inner SGD's momentum moved before the exchange).
 
     Args:
       inner: The Keras optimizer that applies the exchanged update (e.g. ``SGD(0.1,
