@@ -121,18 +121,28 @@ def epoch_parts(record: dict, full_steps: int) -> dict:
     steps = record["steps_per_epoch"]
     steady_train = [b - a for a, b in zip(train, train[1:])]
     steady_wall = [b - a for a, b in zip(wall, wall[1:])]
-    step_s = statistics.fmean(steady_train) / steps
-    other_s = statistics.fmean(w - t for w, t in zip(steady_wall, steady_train))
-    epoch_train = step_s * full_steps
-    one_time = wall[0] - statistics.fmean(steady_wall)
-    return {"step_s": round(step_s, 5), "epoch_train_s": round(epoch_train, 3),
-            "epoch_other_s": round(other_s, 3),
-            "epoch_wall_s": round(epoch_train + other_s, 3), "one_time_s": round(one_time, 3),
-            "eval_s": round(statistics.fmean(record["eval_s_per_epoch"][1:]), 3),
-            "backup_s": round(statistics.fmean(record["backup_s_per_epoch"][1:]), 3)}
+    return _parts(step_s=statistics.fmean(steady_train) / steps,
+                  epoch_other_s=statistics.fmean(w - t for w, t in
+                                                 zip(steady_wall, steady_train)),
+                  one_time_s=wall[0] - statistics.fmean(steady_wall),
+                  eval_s=statistics.fmean(record["eval_s_per_epoch"][1:]),
+                  backup_s=statistics.fmean(record["backup_s_per_epoch"][1:]),
+                  full_steps=full_steps)
 
 
-#: The measured parts of :func:`epoch_parts`; the others are derived from them.
+def _parts(step_s: float, epoch_other_s: float, one_time_s: float, eval_s: float,
+           backup_s: float, full_steps: int) -> dict:
+    """The parts of :func:`epoch_parts` from the measured ones (a full epoch's training and
+    wall seconds derived), rounded as the results files keep them."""
+    train = step_s * full_steps
+    return {"step_s": round(step_s, 5), "epoch_train_s": round(train, 3),
+            "epoch_other_s": round(epoch_other_s, 3),
+            "epoch_wall_s": round(train + epoch_other_s, 3),
+            "one_time_s": round(one_time_s, 3), "eval_s": round(eval_s, 3),
+            "backup_s": round(backup_s, 3)}
+
+
+#: The measured parts of :func:`epoch_parts` (the arguments of :func:`_parts`).
 _MEASURED = ("step_s", "epoch_other_s", "one_time_s", "eval_s", "backup_s")
 
 
@@ -154,13 +164,8 @@ def median_parts(repeats: list[dict], full_steps: int) -> dict:
     """
     if not repeats:
         raise ValueError("`repeats`: no timing run to combine")
-    med = {k: statistics.median(p[k] for p in repeats) for k in _MEASURED}
-    train = med["step_s"] * full_steps
-    return {"step_s": round(med["step_s"], 5), "epoch_train_s": round(train, 3),
-            "epoch_other_s": round(med["epoch_other_s"], 3),
-            "epoch_wall_s": round(train + med["epoch_other_s"], 3),
-            "one_time_s": round(med["one_time_s"], 3), "eval_s": round(med["eval_s"], 3),
-            "backup_s": round(med["backup_s"], 3)}
+    return _parts(**{k: statistics.median(p[k] for p in repeats) for k in _MEASURED},
+                  full_steps=full_steps)
 
 
 def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
