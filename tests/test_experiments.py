@@ -23,6 +23,8 @@ COMMAND_LINES = {
     "dense": ("--compression=dense",),
     "block_auto_default": ("--compression=block", "--exchange=auto"),
     "block_default": ("--compression=block", "--exchange=allgather"),
+    "block_dense_below_512": ("--compression=block", "--exchange=allgather",
+                              "--dense_below=512"),
     "block_default_dgc_warmup": ("--compression=block", "--exchange=allgather",
                                  "--density_warmup=0.25,0.0625,0.015625,0.004"),
     "block_allgather": ("--compression=block", "--density={density}", "--exchange=allgather"),
