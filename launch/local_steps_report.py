@@ -12,7 +12,7 @@ method with ``bytes_per_step``, ``dense_bytes_per_step``, ``final_accuracy`` and
     python -m launch.bench_wall_clock --target_drop=0.005 --out=runs/local_wall \\
         --methods=dense,block_default,local_dense,local_block --timing_steps=64 ...
     cp runs/local_wall/time_to_accuracy.json benchmarks/results/local_steps_wall_clock.json
-    python -m launch.local_steps_report
+    python -m launch.local_steps_report [--convergence=PATH,MODEL=PATH]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 
 from absl import flags
 
-from launch import experiments, script
+from launch import bench_wall_clock, experiments, script
 
 FLAGS = flags.FLAGS
 #: The methods the report compares, in its order.
@@ -31,8 +31,10 @@ REPORT_METHODS = ("dense", "block_default", "local_dense", "local_block")
 
 def define_flags() -> None:
     """The script's flags."""
-    flags.DEFINE_string("convergence", "benchmarks/results/convergence.json",
-                        "launch.bench_convergence's results.")
+    flags.DEFINE_list("convergence", ["benchmarks/results/convergence.json"],
+                      "launch.bench_convergence's results: PATH for every model, MODEL=PATH "
+                      "for one model's (e.g. a longer budget's file), as "
+                      "launch.bench_wall_clock --convergence.")
     flags.DEFINE_string("wall_clock", "benchmarks/results/local_steps_wall_clock.json",
                         "launch.bench_wall_clock's results (--target_drop=0.005).")
     flags.DEFINE_string("out", "benchmarks/results/local_steps.json", "Output file.")
@@ -79,21 +81,47 @@ def summary_rows(convergence: dict, wall: dict | None) -> list[dict]:
     return rows
 
 
+def model_runs(entries: list[str]) -> tuple[list[dict], dict[str, dict], dict[str, str]]:
+    """The runs of ``--convergence``, each model's from the last file that has it (the
+    choice ``launch.bench_wall_clock`` makes from the same entries).
+
+    Returns:
+      ``(runs, budgets, files)``: the runs, and per model its file's budget and path.
+
+    Raises:
+      ValueError: The files' shared budgets differ (naming ``--convergence``).
+    """
+    _, budgets, files = bench_wall_clock.load_convergence(entries)
+    docs: dict[str, dict] = {}
+    runs = []
+    for model, path in files.items():
+        if path not in docs:
+            with open(path) as fh:
+                docs[path] = json.load(fh)
+        runs += [r for r in docs[path]["runs"] if r["model"] == model]
+    return runs, budgets, files
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments: {argv[1:]}")
-    with open(FLAGS.convergence) as fh:
-        convergence = json.load(fh)
+    runs, budgets, files = model_runs(FLAGS.convergence)
+    first = budgets[next(iter(files))] if files else {}
+    convergence = {"budget": first, "runs": runs}
     wall = None
     if os.path.exists(FLAGS.wall_clock):
         with open(FLAGS.wall_clock) as fh:
             wall = json.load(fh)
+    rows = summary_rows(convergence, wall)
     doc = {
         "budget": {"convergence": convergence["budget"],
+                   "convergence_files": files,
+                   "epochs_by_model": {m: b["epochs"][m] for m, b in budgets.items()},
                    "wall_clock": None if wall is None else wall["budget"],
                    "methods": {m: experiments.method_flags(m) for m in REPORT_METHODS}},
-        "summary": summary_rows(convergence, wall),
-        "runs": [r for r in convergence["runs"] if r["method"] in REPORT_METHODS],
+        "summary": rows,
+        "runs": [r for r in convergence["runs"] if r["method"] in REPORT_METHODS
+                 and r["model"] in {row["model"] for row in rows}],  # the rows' records
     }
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as fh:

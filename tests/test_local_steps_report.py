@@ -1,5 +1,7 @@
 """launch/local_steps_report.py: the summary rows of local_steps.json from given records."""
 
+import json
+
 from launch import local_steps_report
 
 
@@ -31,3 +33,29 @@ def test_rows_join_accuracy_bytes_and_wall_clock_per_rate():
     assert block["wall_speedup_vs_dense"] == speed and rows[3]["wall_speedup_vs_dense"] is None
     untimed = local_steps_report.summary_rows(convergence, None)
     assert [r["bandwidth_mbit"] for r in untimed] == [None, None]
+
+
+def _file(path, epochs, runs):
+    budget = {"global_batch": 128, "dataset": "d", "epochs": epochs, "lr_by_model": {}}
+    path.write_text(json.dumps({"budget": budget, "runs": runs}))
+    return str(path)
+
+
+def test_a_model_file_replaces_that_models_runs(tmp_path):
+    """``MODEL=PATH`` takes that model's runs from PATH (a longer budget), the others'
+    from the first file, as the wall-clock bench reads the same entries."""
+    def run(model, method, acc):
+        return {**_run(method, 0, acc, 10), "model": model, "history": {"val_accuracy": [acc]}}
+
+    short = _file(tmp_path / "short.json", {"m": 10, "other": 10},
+                  [run("m", "dense", 0.8), run("m", "local_block", 0.7),
+                   run("other", "dense", 0.5)])
+    long = _file(tmp_path / "long.json", {"m": 20}, [run("m", "dense", 0.9),
+                                                     run("m", "local_block", 0.88)])
+    runs, budgets, files = local_steps_report.model_runs([short, f"m={long}"])
+    assert files == {"m": long, "other": short}
+    assert budgets["m"]["epochs"] == {"m": 20}
+    assert sorted((r["model"], r["test_accuracy"]) for r in runs) == [
+        ("m", 0.88), ("m", 0.9), ("other", 0.5)]
+    alone, _, files = local_steps_report.model_runs([short])
+    assert files == {"m": short, "other": short} and len(alone) == 3
