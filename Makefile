@@ -119,8 +119,7 @@ bench-full: venv data
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0 --methods=local_block_nesterov
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --out=runs/vgg_long
 	cp runs/vgg_long/convergence.json $(BENCH)/convergence_vgg_fc_20_epochs.json
-	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0 --out=runs/r20_long
-	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=1 --methods=block_default --out=runs/r20_long
+	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1 --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --out=$(BENCH) && \
