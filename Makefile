@@ -100,6 +100,9 @@ bench: venv data
 BENCH = benchmarks/results
 CONVERGE = $(PY) -m launch.bench_convergence --strategy=mirrored --num_workers=4 \
 	--lr_schedule=cosine --methods=dense,block_default --model_epochs= --resume --out=$(BENCH)
+# The converged curves of every model: vgg_fc's and ResNet-20's from their 20-epoch budgets.
+CURVES = $(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json,$\
+	resnet20=$(BENCH)/convergence_resnet20_20_epochs.json
 bench-full: venv data
 	$(PY) -m launch.project_scaling --out=$(BENCH)/scaling.json
 	$(PY) -m launch.demo --out=runs/demo
@@ -117,34 +120,40 @@ bench-full: venv data
 	cp runs/vgg_lr_warmup/convergence.json $(BENCH)/convergence_vgg_fc_lr_warmup.json
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_dense,local_block
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0 --methods=local_block_nesterov
+	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0 \
+		--methods=local_block,local_dense,local_block_nesterov
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --out=runs/vgg_long
+	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0 --methods=local_block --out=runs/vgg_long
 	cp runs/vgg_long/convergence.json $(BENCH)/convergence_vgg_fc_20_epochs.json
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1 --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=100,1000 \
-			--methods=dense,block_default,block_auto_default --convergence=$(BENCH)/convergence.json \
+			--methods=dense,block_default,block_auto_default --convergence=$(CURVES) \
 			--check=gru_nmt:100:block_default:0 --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=30,300 \
 			--methods=dense,block_default,block_auto_default \
-			--convergence=$(BENCH)/convergence.json --out=$(BENCH) && \
+			--convergence=$(CURVES) --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --out=$(BENCH) \
-			--convergence=$(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json && \
+			--convergence=$(CURVES) && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --out=$(BENCH) \
-			--convergence=$(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json && \
+			--convergence=$(CURVES) && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
 			--methods=dense,block_auto_default --timing_repeats=3 \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \
 		cp runs/wall_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=100,10 \
 			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
-			--timing_steps=64 --convergence=$(BENCH)/convergence.json --out=runs/local_wall && \
+			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
+		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=100 \
+			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
+			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
 		cp runs/local_wall/time_to_accuracy.json $(BENCH)/local_steps_wall_clock.json; \
 	else echo "bench-full: backup and wall-clock benches skipped (need root for network namespaces)"; fi
-	$(PY) -m launch.local_steps_report
+	$(PY) -m launch.local_steps_report --convergence=$(CURVES)
 	@echo "bench-full: the early-training groups of time_to_accuracy_early.json and convergence_early.json"
 	@echo "have their own commands in docs/results.md"
 
