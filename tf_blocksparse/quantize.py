@@ -7,7 +7,8 @@ collective, and a dtype every collective implementation takes):
 ``"bfloat16"``
     The values rounded to bfloat16 (16 bits, no scale).
 ``"int8"`` / ``"int4"``
-    Per block a float32 scale ``max |v| / q`` (``q`` = 127 or 7) and per value the integer
+    Per block a float32 scale ``max |v| / q`` (``q`` = 127 or 7; at least the smallest normal
+    float32, since CPU kernels flush subnormals to zero) and per value the integer
     ``round(v / scale)`` in ``[-q, q]``: the error per value is at most ``scale / 2``.
 
 :func:`encode` returns the dequantised values as well: the exchange keeps ``acc - sent`` as
@@ -29,6 +30,8 @@ __all__ = ["QUANTIZATIONS", "decode", "encode", "num_words", "value_nbytes"]
 
 _BITS = {"bfloat16": 16, "int8": 8, "int4": 4}
 _LEVELS = {"int8": 127, "int4": 7}
+#: The smallest normal float32: the least scale (a subnormal one would be flushed to zero).
+_FLT_MIN = 1.1754943508222875e-38
 
 
 def _code_words(n: int, bits: int) -> int:
@@ -90,7 +93,10 @@ def encode(values: tf.Tensor, mode: str) -> tuple[tf.Tensor, tf.Tensor]:
         return _pack(codes, 16), tf.cast(tf.cast(q, tf.float32), values.dtype)
     levels = _LEVELS[mode]
     top = tf.reduce_max(tf.abs(v), axis=1)  # [k]
-    scale = tf.where(top > 0, top / levels, tf.ones_like(top))
+    # never a subnormal scale: TensorFlow's CPU kernels flush those to zero (0 / 0 = NaN);
+    # a block under levels * FLT_MIN is coded in steps of FLT_MIN (error <= FLT_MIN / 2)
+    tiny = tf.constant(_FLT_MIN, tf.float32)
+    scale = tf.where(top > 0, tf.maximum(top / levels, tiny), tf.ones_like(top))
     q = tf.clip_by_value(tf.round(v / scale[:, None]), -levels, levels)
     sent = q * scale[:, None]
     codes = tf.cast(tf.reshape(q, (-1,)), tf.int64) + (levels + 1)  # unsigned
