@@ -113,6 +113,7 @@ def main(argv: list[str]) -> None:
         with open(FLAGS.wall_clock) as fh:
             wall = json.load(fh)
     rows = summary_rows(convergence, wall)
+    reported = {row["model"] for row in rows}
     doc = {
         "budget": {"convergence": convergence["budget"],
                    "convergence_files": files,
@@ -120,8 +121,8 @@ def main(argv: list[str]) -> None:
                    "wall_clock": None if wall is None else wall["budget"],
                    "methods": {m: experiments.method_flags(m) for m in REPORT_METHODS}},
         "summary": rows,
-        "runs": [r for r in convergence["runs"] if r["method"] in REPORT_METHODS
-                 and r["model"] in {row["model"] for row in rows}],  # the rows' records
+        "runs": [r for r in convergence["runs"]  # the records behind the rows
+                 if r["method"] in REPORT_METHODS and r["model"] in reported],
     }
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as fh:
