@@ -351,8 +351,9 @@ QUICKSTART = [
             start = time.perf_counter()
             history = model.fit(train_ds, epochs=epochs, verbose=0,
                                 shuffle=False,  # the tf.data pipeline shuffles
-                                callbacks=[tfbs.ExactValidation(x_test, y_test),
-                                           tfbs.BlockSparseMetrics()])
+                                callbacks=tfbs.fit_callbacks(model, [  # + what opt needs
+                                    tfbs.ExactValidation(x_test, y_test),
+                                    tfbs.BlockSparseMetrics()]))
             return {"history": history.history, "metrics": opt.block_sparse_metrics(),
                     "seconds": time.perf_counter() - start}
 

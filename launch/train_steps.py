@@ -148,7 +148,7 @@ def make_callbacks(config: TrainConfig, setup: Setup, opt: Any,
     """The run's callbacks: the library's metrics, backup (and TensorBoard on the chief),
     the tests' fault injection, the automatic exchange, the density warm-up, the early
     stop, the clocks and the chief's progress line, with the exact validation first
-    (later callbacks read its figures)."""
+    (later callbacks read its figures), then what else the optimizer needs in ``fit``."""
     import keras
 
     import tf_blocksparse as tfbs
@@ -197,6 +197,7 @@ def make_callbacks(config: TrainConfig, setup: Setup, opt: Any,
             metric_name=setup.accuracy_name, **inputs.eval_kwargs(config.model))
         timed_validation = cb.timed(validation)
         callbacks.insert(0, timed_validation)
+    callbacks += opt.fit_callbacks(callbacks)  # the dense phase's end, local steps' syncs
     return Watchers(callbacks, clock, wall_clock, validation, timed_validation, backup, auto,
                     measuring_s)
 

@@ -255,6 +255,51 @@ def test_keras_imported_by_the_package_registers_without_warning(first):
         proc.stderr[-2000:]
 
 
+#: Run in a fresh process: every Keras / TensorFlow class of the modules below, as the names in
+#: its ``__dict__`` and the objects they hold, before and after importing every module of the
+#: package and fitting a wrapped model; then once more after a deliberate change (the check
+#: must see it).  A class's ``__annotations__`` is left out: Python creates it when first read.
+_UNTOUCHED = """
+import importlib, inspect, pkgutil, warnings
+import keras, numpy as np, tensorflow as tf
+mods = [keras, keras.callbacks, keras.optimizers, keras.layers, keras.losses, keras.metrics,
+        keras.saving, keras.mixed_precision, tf.distribute, tf.distribute.experimental,
+        keras.src.callbacks.callback_list, keras.src.optimizers.base_optimizer]
+def snap():
+    return {f"{m.__name__}.{n}.{k}": id(v) for m in mods for n, c in vars(m).items()
+            if inspect.isclass(c) for k, v in vars(c).items()
+            if k != "__annotations__"}  # created when first read
+before = snap()
+import tf_blocksparse as tfbs
+for info in pkgutil.walk_packages(tfbs.__path__, "tf_blocksparse."):
+    if ".kernels.build" not in info.name:
+        importlib.import_module(info.name)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), dense_steps=1, sync_every=2)
+model.compile(opt, "mse")
+x = np.zeros((8, 4), "float32")
+model.fit(x, np.zeros((8, 2), "float32"), batch_size=4, verbose=0,
+          callbacks=tfbs.fit_callbacks(model))
+after = snap()
+print("CHANGED", sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)))
+keras.callbacks.CallbackList.__init__ = lambda self, *a, **k: None
+print("DETECTED", [k for k in snap() if snap()[k] != after.get(k)])
+"""
+
+
+def test_no_keras_or_tensorflow_class_is_changed():
+    """Importing the package and training with it leave every Keras and TensorFlow class as
+    it was (no method replaced, no attribute added); the check sees a replaced method."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, "-c", _UNTOUCHED], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines()
+                 if line.startswith(("CHANGED", "DETECTED")))
+    assert lines["CHANGED"] == "[]", lines["CHANGED"]
+    assert "keras.callbacks.CallbackList.__init__" in lines["DETECTED"]
+
+
 def _project_names(tree: ast.AST) -> set[str]:
     """Names a file binds to the repository's own modules (their private names are the
     project's business, not a TensorFlow / Keras API)."""

@@ -2,6 +2,7 @@
 dense exchange's residual flush against a NumPy reference."""
 
 import types
+import warnings
 
 import keras
 import numpy as np
@@ -13,7 +14,6 @@ from tf_blocksparse import blocks
 from tf_blocksparse.auto.auto_exchange import fallback_mode, remeasure_gap
 from tf_blocksparse.exchange import run_exchange
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.keras.fit_loop import missing_fit_callbacks as _fit_callbacks
 from tf_blocksparse.keras.momentum import mask_sent
 
 X = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")
@@ -176,10 +176,10 @@ def test_one_candidate_is_used_everywhere_and_nothing_is_measured(mirrored2, can
     assert opt.exchange_decision is None and callback.decisions == []
     assert chooser._probe_cache == {} and not any(k.startswith("auto_") for k in m)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
-    model.optimizer = opt  # fit adds no callback of its own for it
-    assert _fit_callbacks(model, []) == []
+    model.optimizer = opt  # fit needs no callback for it
+    assert tfbs.fit_callbacks(model) == []
     model.optimizer = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1))  # the default
-    assert [type(c) for c in _fit_callbacks(model, [])] == [tfbs.AutoExchangeCallback]
+    assert [type(c) for c in tfbs.fit_callbacks(model)] == [tfbs.AutoExchangeCallback]
 
 
 def test_measure_exchange_needs_cross_replica_context(mirrored2):
@@ -378,10 +378,12 @@ def test_the_default_is_auto_in_both_forms():
 
 
 @pytest.mark.parametrize("own_callback", [False, True])
-def test_fit_re_decides_without_a_callback_given_and_never_twice(mirrored2, own_callback):
-    """``model.fit`` of a default optimizer adds the automatic exchange's callback (the
-    re-decision after ``warmup_steps`` happens), and a callback the user gave is not
-    doubled: one re-decision either way."""
+def test_fit_callbacks_re_decide_once_and_without_them_the_build_decision_stays(
+        mirrored2, own_callback):
+    """``tfbs.fit_callbacks(model, given)`` adds the automatic exchange's callback to a
+    default optimizer's fit (the re-decision after ``warmup_steps`` happens) and does not
+    double one the user gave: one re-decision either way.  A fit without it keeps the
+    build-time decision and says nothing (nothing is wrong, only not re-measured)."""
     policy = tfbs.AutoExchange(warmup_steps=4, remeasure_steps=0)
     with mirrored2.scope():
         keras.utils.set_random_seed(2)
@@ -394,8 +396,12 @@ def test_fit_re_decides_without_a_callback_given_and_never_twice(mirrored2, own_
     decide, calls = chooser.decide, []
     chooser.decide = lambda *a, **kw: calls.append(kw) or decide(*a, **kw)
     given = [tfbs.AutoExchangeCallback()] if own_callback else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tfbs.MissingFitCallbackWarning)
+        model.fit(X, (X[:, 0] > 0).astype("int32"), batch_size=8, epochs=1, verbose=0)
+    assert calls == [] and opt.exchange_decision is initial
     model.fit(X, (X[:, 0] > 0).astype("int32"), batch_size=8, epochs=2, verbose=0,
-              callbacks=given)  # 4 steps per epoch
+              callbacks=tfbs.fit_callbacks(model, given))  # 4 steps per epoch
     assert len(calls) == 1
     assert opt.exchange_decision is not initial and opt.exchange_decision.compute_s > 0
     if own_callback:

@@ -277,53 +277,6 @@ def test_resumed_epoch_after_backup_and_restore(tmp_path):
     assert _compat.resumed_epoch(fresh) == 0
 
 
-def test_extend_callback_lists_adds_to_the_list_fit_builds():
-    """The extender sees the callbacks ``model.fit`` was given and what it returns runs in
-    the loop with the list's model and parameters; registered twice it acts once; a list
-    without a model, and the lists of ``evaluate`` and ``predict``, get nothing."""
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(keras.optimizers.SGD(0.1), "mse")
-    seen: list = []
-
-    class Seen(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            seen.append((self.model is model, self.params["steps"]))
-
-    class Mark(keras.callbacks.Callback):
-        pass
-
-    def extend(m, callbacks):
-        if m is not model or not any(isinstance(c, Mark) for c in callbacks):
-            return []
-        return [Seen()]
-
-    _compat.extend_callback_lists(extend)
-    _compat.extend_callback_lists(extend)
-    x = np.zeros((4, 2), "float32")
-    model.fit(x, np.zeros((4, 1), "float32"), batch_size=2, epochs=1, verbose=0,
-              callbacks=[Mark()])
-    assert seen == [(True, 2), (True, 2)]
-    model.fit(x, np.zeros((4, 1), "float32"), batch_size=2, epochs=1, verbose=0)
-    assert len(seen) == 2  # the extender declined
-    assert keras.callbacks.CallbackList([Mark()]).callbacks[1:] == []
-    asked: list = []
-
-    def ask(m, callbacks):
-        asked.append(m)
-        return []
-
-    _compat.extend_callback_lists(ask)
-    try:
-        model.evaluate(x, np.zeros((4, 1), "float32"), verbose=0, callbacks=[Mark()])
-        model.predict(x, verbose=0, callbacks=[Mark()])
-        assert asked == [] and len(seen) == 2
-        model.fit(x, np.zeros((4, 1), "float32"), epochs=1, verbose=0)
-        assert asked == [model]
-    finally:
-        _compat._CALLBACK_EXTENDERS[:] = [e for e in _compat._CALLBACK_EXTENDERS
-                                          if e not in (ask, extend)]
-
-
 def test_optimizer_strategy_is_the_strategy_at_construction(mirrored2):
     outside = keras.optimizers.SGD(0.1)
     with mirrored2.scope():

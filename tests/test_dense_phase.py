@@ -2,6 +2,7 @@
 exchange takes over with its state moved exactly (2 real replicas)."""
 
 import functools
+import warnings
 
 import keras
 import numpy as np
@@ -48,7 +49,8 @@ def _fit(strategy, make_opt, epochs=2, callbacks=()):
     model, opt = _compiled(strategy, make_opt)
     record = _Record()
     model.fit(*_xy(), batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-              callbacks=[tfbs.BlockSparseMetrics(update_freq=1), record, *callbacks])
+              callbacks=tfbs.fit_callbacks(
+                  model, [tfbs.BlockSparseMetrics(update_freq=1), record, *callbacks]))
     return model, opt, record
 
 
@@ -182,11 +184,12 @@ def test_dense_steps_config_round_trip_and_shells_that_count_no_steps():
         tfbs.BlockSparseCrossDeviceOps(dense_steps=10)
 
 
-def test_the_optimizer_names_the_callbacks_fit_adds():
-    """``opt.fit_callbacks(given)``: what ``model.fit`` adds for the optimizer (found under
-    loss scaling too), none that ``given`` holds, none for a fixed exchange without a dense
-    phase."""
-    from tf_blocksparse.keras.fit_loop import find_block_sparse, missing_fit_callbacks
+def test_the_optimizer_names_the_callbacks_fit_needs():
+    """``opt.fit_callbacks(given)`` and ``tfbs.fit_callbacks(model, given)``: what
+    ``model.fit`` needs for the optimizer (found under loss scaling too), none that
+    ``given`` holds, none for a fixed exchange without a dense phase or another optimizer;
+    an uncompiled model is refused, naming the argument."""
+    from tf_blocksparse.keras.fit_loop import find_block_sparse
 
     opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), dense_steps=3)
     assert [type(c) for c in opt.fit_callbacks()] == [tfbs.AutoExchangeCallback,
@@ -199,5 +202,27 @@ def test_the_optimizer_names_the_callbacks_fit_adds():
     assert find_block_sparse(scaled) is opt and find_block_sparse(scaled.inner_optimizer) is opt
     assert find_block_sparse(keras.optimizers.SGD(0.1)) is None
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="`model` has no optimizer"):
+        tfbs.fit_callbacks(model)
     model.compile(scaled, "mse")
-    assert [type(c) for c in missing_fit_callbacks(model, given)] == [tfbs.AutoExchangeCallback]
+    got = tfbs.fit_callbacks(model, given)
+    assert got[0] is given[0] and [type(c) for c in got[1:]] == [tfbs.AutoExchangeCallback]
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    assert tfbs.fit_callbacks(model, given) == given and tfbs.fit_callbacks(model) == []
+
+
+def test_a_dense_phase_without_its_callback_warns_once(mirrored2):
+    """Fitted without the callbacks it needs, the optimizer warns once, naming the callback
+    and what to pass; with them, nothing is said."""
+    make = lambda: tfbs.BlockSparseOptimizer(  # noqa: E731
+        keras.optimizers.SGD(0.1), exchange="allgather", dense_steps=2)
+    model, _ = _compiled(mirrored2, make)
+    with pytest.warns(tfbs.MissingFitCallbackWarning, match="DensePhaseCallback.*fit_callbacks"):
+        model.fit(*_xy(), batch_size=16, epochs=1, verbose=0)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model.fit(*_xy(), batch_size=16, epochs=1, verbose=0)  # once per optimizer
+        model, _ = _compiled(mirrored2, make)
+        model.fit(*_xy(), batch_size=16, epochs=1, verbose=0,
+                  callbacks=tfbs.fit_callbacks(model))
+    assert not [w for w in said if issubclass(w.category, tfbs.MissingFitCallbackWarning)]

@@ -156,8 +156,17 @@ def test_fit_evaluates_and_saves_synchronised_weights(mirrored2, tmp_path):
                                         sync_every=4, density=0.25)
         model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=16, epochs=3, validation_data=(x, y), verbose=0)
-    assert len(history.history["val_accuracy"]) == 3
+    seen = []
+
+    class Evaluated(keras.callbacks.Callback):  # the weights every evaluation sees
+        def on_test_begin(self, logs=None):
+            seen.append(_copies(mirrored2, model.trainable_variables))
+
+    history = model.fit(x, y, batch_size=16, epochs=3, validation_data=(x, y), verbose=0,
+                        callbacks=tfbs.fit_callbacks(model, [Evaluated()]))
+    assert len(history.history["val_accuracy"]) == 3 and len(seen) == 3
+    for copies in (c for epoch in seen for c in epoch):
+        np.testing.assert_array_equal(copies[0], copies[1])
     assert int(opt._state.window.numpy()) == 0
     for v in model.trainable_variables:
         copies = [c.numpy() for c in mirrored2.experimental_local_results(v.value)]
@@ -185,6 +194,24 @@ def test_fit_evaluates_and_saves_synchronised_weights(mirrored2, tmp_path):
                                rtol=1e-6)
 
 
+def test_without_its_callback_fit_warns_and_still_ends_synchronised(mirrored2):
+    """Local steps fitted without ``LocalStepsCallback``: one warning naming it, and the end
+    of ``fit`` (``finalize_variable_values``) still leaves one set of weights."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((80, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = _model(mirrored2)
+    with mirrored2.scope():
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), sync_every=4,
+                                        density=0.25)
+        model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(tfbs.MissingFitCallbackWarning, match="LocalStepsCallback"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # 5 steps: a partial window
+    assert int(opt._state.window.numpy()) == 0
+    for copies in _copies(mirrored2, model.trainable_variables):
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
 def _local_fit(strategy, epochs, callbacks=()):
     """A model trained with sync_every=3 on 5 steps per epoch (a partial window per epoch,
     exchanged after its last step); the data come in the same order every epoch."""
@@ -197,7 +224,7 @@ def _local_fit(strategy, epochs, callbacks=()):
                                         sync_every=3, density=0.25, dense_below=0)
         model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-              callbacks=list(callbacks))
+              callbacks=tfbs.fit_callbacks(model, callbacks))
     return model
 
 

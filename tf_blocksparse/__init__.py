@@ -50,8 +50,10 @@ _EXPORTS = {
     "ExactValidation": "tf_blocksparse.keras.evaluation",
     "FusedCrossDeviceOps": "tf_blocksparse.distribute.fused_ops",  # deprecated name
     "HybridTrainer": "tf_blocksparse.hybrid.trainer",
+    "LocalStepsCallback": "tf_blocksparse.keras.local_steps",
     "LossScaleOptimizer": "tf_blocksparse.keras.loss_scale",
     "MomentumCorrection": "tf_blocksparse.keras.momentum",
+    "MissingFitCallbackWarning": "tf_blocksparse.keras.fit_loop",
     "MultiWorkerMirroredStrategy": "tf_blocksparse.distribute.strategy",
     "Payload": "tf_blocksparse.feedback",
     "PipelineTrainer": "tf_blocksparse.pipeline.trainer",
@@ -59,6 +61,7 @@ _EXPORTS = {
     "clipping": "tf_blocksparse.clipping",
     "evaluate_exactly": "tf_blocksparse.keras.evaluation",
     "find_boundary": "tf_blocksparse.hybrid.split",
+    "fit_callbacks": "tf_blocksparse.keras.fit_loop",
     "format_block_table": "tf_blocksparse.blocks",
     "profile_model": "tf_blocksparse.pipeline.profiler",
     "save_model": "tf_blocksparse.keras.backup",

@@ -123,47 +123,6 @@ def momentum_only_where(optimizer: Any, keep: Callable[[int], bool]) -> None:
     optimizer.update_step = selective_update_step
 
 
-#: Functions ``(model, callbacks) -> extra callbacks`` that every ``fit``'s list consults.
-_CALLBACK_EXTENDERS: list[Callable[[Any, list], list]] = []
-
-
-def extend_callback_lists(extender: Callable[[Any, list], list]) -> None:
-    """Makes every Keras ``CallbackList`` that ``model.fit`` builds (for a model, with a
-    ``History``: ``add_history=True``) append the callbacks ``extender(model, callbacks)``
-    returns, set to the list's model and parameters.  The lists of ``evaluate`` and
-    ``predict`` are left alone.  Registering the same function again does nothing.
-
-    Keras offers no other way for an optimizer to take part in ``fit``'s loop (a callback
-    the user did not write); ``CallbackList`` is public, its ``__init__`` is wrapped once.
-    """
-    import inspect
-
-    from keras.callbacks import CallbackList
-
-    if extender in _CALLBACK_EXTENDERS:
-        return
-    _CALLBACK_EXTENDERS.append(extender)
-    if getattr(CallbackList.__init__, "_tfbs_extended", False):
-        return
-    init = CallbackList.__init__
-    signature = inspect.signature(init)
-
-    def extended_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        model = getattr(self, "model", None)
-        bound = signature.bind(self, *args, **kwargs)
-        if model is None or not bound.arguments.get("add_history", False):
-            return
-        for extend in _CALLBACK_EXTENDERS:
-            for callback in extend(model, list(self.callbacks)):
-                callback.set_model(model)
-                callback.set_params(self.params)
-                self.callbacks.append(callback)
-
-    extended_init._tfbs_extended = True  # type: ignore[attr-defined]
-    CallbackList.__init__ = extended_init
-
-
 def no_automatic_dependency_tracking(fn: Callable) -> Callable:
     """Keras' decorator that stops attribute assignments in ``fn`` from being tracked (lists
     assigned in an optimizer's ``build`` stay plain lists)."""

@@ -204,7 +204,8 @@ class CompressionOptions:
         the early, fast-changing gradients are not delayed by error feedback.  Then the
         exchange switches once, its state moved exactly (see
         :mod:`~tf_blocksparse.auto.mode_switch`); 0 (default): no dense phase.  Only the
-        Keras optimizer wrapper counts steps (``model.fit`` switches by itself).
+        Keras optimizer wrapper counts steps (in ``model.fit`` its ``DensePhaseCallback``
+        switches: ``tfbs.fit_callbacks(model)``).
 
     Raises:
       ValueError: A bad value; the message names the argument.

@@ -13,8 +13,8 @@ from what is measured on the running cluster:
    stands in for it.
 2. :class:`AutoExchangeCallback` re-decides after ``warmup_steps`` and then every
    ``remeasure_steps`` steps with the measured step time, and has Keras re-trace the train
-   function when the choice changed.  ``model.fit`` adds one to its callbacks when they
-   hold none (:mod:`~tf_blocksparse.keras.fit_loop`).  Error feedback stays exact across a
+   function when the choice changed; pass it to ``model.fit`` (``tfbs.fit_callbacks(model)``
+   adds it, :mod:`~tf_blocksparse.keras.fit_loop`).  Error feedback stays exact across a
    switch: the owner's ``on_change`` moves the state
    (:mod:`~tf_blocksparse.auto.mode_switch`: a group that turns dense has its residual
    applied once and its momentum moved into the inner SGD; with other inner optimizers it
@@ -257,10 +257,11 @@ class AutoExchangeCallback(keras.callbacks.Callback):
     :func:`remeasure_gap`) the link and compression are measured again too, and a new choice
     must beat the current one by the policy's ``hysteresis``.  Every worker runs callbacks,
     so every worker takes part in the measurements.  When it changed, the train function is
-    re-traced.  ``model.fit`` adds one by itself when the model's optimizer exchanges with
-    ``exchange="auto"`` (the default) and ``callbacks=`` holds none
-    (:meth:`BlockSparseOptimizer.fit_callbacks`, :mod:`~tf_blocksparse.keras.fit_loop`);
-    give one to read its :attr:`decisions`.  With any other exchange it does nothing.
+    re-traced.  ``tfbs.fit_callbacks(model, mine)`` adds one when the model's optimizer
+    exchanges with ``exchange="auto"`` (the default) and ``mine`` holds none
+    (:mod:`~tf_blocksparse.keras.fit_loop`); without one the build-time decision stays for
+    the whole run.  Keep a reference to read its :attr:`decisions`.  With any other exchange
+    it does nothing.
 
     Attributes:
       initial: The decision in use when training began (the build-time one), or ``None``.

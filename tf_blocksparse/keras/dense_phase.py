@@ -10,9 +10,9 @@ the per-replica velocities of momentum correction (``u = -M / (lr N)``, so the m
 continues), the residuals start at zero (nothing was delayed), and the step is re-traced
 (see :mod:`~tf_blocksparse.auto.mode_switch`).
 
-``model.fit`` ends it by itself: :class:`DensePhaseCallback` is added to its callbacks when
-the optimizer has a dense phase (:meth:`BlockSparseOptimizer.fit_callbacks`,
-:mod:`~tf_blocksparse.keras.fit_loop`); after every batch it compares the optimizer's
+In ``model.fit`` :class:`DensePhaseCallback` ends it: pass it (``tfbs.fit_callbacks(model)``
+adds it when the optimizer has a dense phase, :mod:`~tf_blocksparse.keras.fit_loop`; a step
+traced without it warns).  After every batch it compares the optimizer's
 ``iterations`` (the steps applied: a step skipped as non-finite does not count) with ``N``,
 also at the start of training, so a run resumed from a backup past ``N`` switches before its
 first step.  With ``steps_per_execution > 1`` the switch waits for the end of the execution.
@@ -26,7 +26,7 @@ from typing import Any
 
 import keras
 
-from tf_blocksparse.keras.fit_loop import find_block_sparse
+from tf_blocksparse.keras import fit_loop
 
 __all__ = ["DensePhaseCallback"]
 
@@ -35,12 +35,13 @@ class DensePhaseCallback(keras.callbacks.Callback):
     """Ends the optimizer's dense phase (``dense_steps``) during ``model.fit`` once its
     ``iterations`` reach ``dense_steps``, and has Keras re-trace the train function.
 
-    ``model.fit`` adds one by itself when the model's optimizer has a dense phase and
-    ``callbacks=`` holds none.  Every worker runs callbacks, so all switch at the same step.
+    ``tfbs.fit_callbacks(model, mine)`` adds one when the model's optimizer has a dense
+    phase and ``mine`` holds none.  Every worker runs callbacks, so all switch at the same
+    step.
     """
 
     def _opt(self) -> Any:
-        return find_block_sparse(getattr(self.model, "optimizer", None))
+        return fit_loop.find_block_sparse(getattr(self.model, "optimizer", None))
 
     def _update(self) -> None:
         opt = self._opt()
@@ -48,7 +49,15 @@ class DensePhaseCallback(keras.callbacks.Callback):
             self.model.make_train_function(force=True)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        opt = self._opt()
+        if opt is not None:
+            fit_loop.running(opt, self, True)
         self._update()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        opt = self._opt()
+        if opt is not None:
+            fit_loop.running(opt, self, False)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._update()

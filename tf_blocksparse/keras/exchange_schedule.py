@@ -171,8 +171,8 @@ class ExchangeSchedule:
         :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback` with ``dense_steps``,
         a :class:`~tf_blocksparse.keras.local_steps.LocalStepsCallback` with ``sync_every``.
 
-        ``model.fit`` adds them by itself (:mod:`~tf_blocksparse.keras.fit_loop`); a loop
-        that builds its own ``CallbackList`` passes ``[*mine, *opt.fit_callbacks(mine)]``.
+        Pass them to ``model.fit`` (``callbacks=tfbs.fit_callbacks(model, mine)``, see
+        :mod:`~tf_blocksparse.keras.fit_loop`) or to a loop's own ``CallbackList``.
         """
         owner = self._owner
         out: list[keras.callbacks.Callback] = []

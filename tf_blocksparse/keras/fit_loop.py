@@ -1,23 +1,28 @@
 """How :class:`~tf_blocksparse.keras.optimizer.BlockSparseOptimizer` takes part in
-``model.fit``'s loop, and how the parts that act there find it.
+``model.fit``'s loop: callbacks the user passes, as Keras' own ``SwapEMAWeights`` or
+Horovod's ``BroadcastGlobalVariablesCallback``.
 
-Two of the wrapper's features act *between* steps, eagerly and on every worker together,
-which a traced ``apply`` cannot do: the automatic exchange's re-decision (it times
-collectives, agrees on the figures and may re-trace the step:
-:class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback`) and the end of a dense
-phase (it moves state and re-traces:
-:class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback`).  Keras calls nothing of an
-optimizer between the steps of ``model.fit``; only callbacks run there.  So the wrapper
-says which callbacks it needs (:meth:`BlockSparseOptimizer.fit_callbacks`), and:
+Some of the wrapper's features act *between* steps, eagerly and on every worker together,
+which a traced ``apply`` cannot do, and Keras calls nothing of an optimizer between the
+steps of ``model.fit``; only callbacks run there:
 
-- ``model.fit`` gets them without the user adding anything: the optimizer's module
-  registers :func:`missing_fit_callbacks` with
-  :func:`tf_blocksparse._compat.extend_callback_lists`, the project's one hook into Keras'
-  ``CallbackList`` (contract-tested per Keras version).  It adds callbacks only to the
-  lists ``fit`` builds for a model whose optimizer is (or wraps) a ``BlockSparseOptimizer``
-  that needs them, and never doubles one the user gave;
-- a training loop that builds its own ``CallbackList``, or a user who wants to see the
-  callbacks, passes ``callbacks=[*mine, *opt.fit_callbacks(mine)]`` explicitly.
+- the automatic exchange's re-decisions (it times collectives, agrees on the figures and
+  may re-trace the step: :class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback`).
+  Without it the build-time decision stays for the whole run;
+- the end of a dense phase (``dense_steps``: it moves state and re-traces,
+  :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback`).  Without it the dense
+  phase never ends;
+- the synchronisation of local steps (``sync_every``) before every evaluation and backup
+  (:class:`~tf_blocksparse.keras.local_steps.LocalStepsCallback`).  Without it each
+  replica evaluates its own weights; the end of ``fit`` synchronises in any case
+  (``finalize_variable_values``, which Keras calls there).
+
+So pass them: ``model.fit(..., callbacks=tfbs.fit_callbacks(model, [*mine]))`` gives your
+callbacks followed by the ones the model's optimizer needs and your list lacks
+(:meth:`BlockSparseOptimizer.fit_callbacks` says the same for one optimizer).  The project
+changes no Keras class to add them behind your back.  A step traced while a dense phase or
+local steps run without their callback warns once, naming it (a custom loop that calls
+``update_dense_phase()`` / ``synchronize()`` itself may ignore the warning).
 
 This module imports no optimizer (the callbacks' modules are imported by the optimizer's):
 the wrapper is recognised by its base class :class:`BlockSparseBase`.
@@ -25,10 +30,29 @@ the wrapper is recognised by its base class :class:`BlockSparseBase`.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["BlockSparseBase", "find_block_sparse", "missing_fit_callbacks"]
+__all__ = ["BlockSparseBase", "MissingFitCallbackWarning", "find_block_sparse",
+           "fit_callbacks"]
+
+
+class MissingFitCallbackWarning(UserWarning):
+    """A ``BlockSparseOptimizer`` feature that acts between steps has no callback running."""
+
+
+#: Per optimizer, the names of the fit callbacks running now (between train begin and end).
+_RUNNING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Optimizers already warned about a missing callback.
+_WARNED: weakref.WeakSet = weakref.WeakSet()
+#: Why each callback matters, for the warning (only those whose absence is a fault).
+_NEEDED_FOR = {
+    "DensePhaseCallback": "without it the dense phase (dense_steps) never ends",
+    "LocalStepsCallback": "without it evaluations and backups during fit see each "
+                          "replica's own weights (sync_every)",
+}
 
 
 class BlockSparseBase:
@@ -49,6 +73,31 @@ class BlockSparseBase:
         """The callbacks ``model.fit`` needs for this optimizer that ``callbacks`` lacks."""
         raise NotImplementedError
 
+    def warn_missing_fit_callbacks(self) -> None:
+        """Warns once (:class:`MissingFitCallbackWarning`) when a callback this optimizer
+        needs is not running (called as the step is traced)."""
+        if self in _WARNED:
+            return
+        running = _RUNNING.get(self, {})
+        missing = [type(c).__name__ for c in self.fit_callbacks()
+                   if type(c).__name__ in _NEEDED_FOR and not running.get(type(c).__name__)]
+        if not missing:
+            return
+        _WARNED.add(self)
+        why = "; ".join(f"{name}: {_NEEDED_FOR[name]}" for name in missing)
+        warnings.warn(
+            f"BlockSparseOptimizer needs {', '.join(missing)} in model.fit ({why}). Pass "
+            f"callbacks=tfbs.fit_callbacks(model, your_callbacks); a custom loop that calls "
+            f"update_dense_phase() / synchronize() itself may ignore this warning",
+            MissingFitCallbackWarning, stacklevel=3)
+
+
+def running(optimizer: BlockSparseBase, callback: Any, on: bool) -> None:
+    """Notes that ``callback`` runs (``on``) or stopped running in ``optimizer``'s fit."""
+    counts = _RUNNING.setdefault(optimizer, {})
+    name = type(callback).__name__
+    counts[name] = max(0, counts.get(name, 0) + (1 if on else -1))
+
 
 def find_block_sparse(optimizer: Any) -> BlockSparseBase | None:
     """The ``BlockSparseOptimizer`` inside ``optimizer`` (itself, or under loss scaling's
@@ -60,8 +109,25 @@ def find_block_sparse(optimizer: Any) -> BlockSparseBase | None:
     return None
 
 
-def missing_fit_callbacks(model: Any, callbacks: Sequence[Any]) -> list[Any]:
-    """The callbacks ``model``'s optimizer needs in ``model.fit`` that ``callbacks`` lacks
-    (none where it is no ``BlockSparseOptimizer``)."""
-    opt = find_block_sparse(getattr(model, "optimizer", None))
-    return [] if opt is None else opt.fit_callbacks(callbacks)
+def fit_callbacks(model: Any, callbacks: Sequence[Any] | None = None) -> list[Any]:
+    """``callbacks`` followed by the callbacks ``model``'s optimizer needs in
+    ``model.fit`` that they lack: pass the result as ``model.fit(callbacks=...)``.
+
+    Args:
+      model: A compiled Keras model (its optimizer may be a ``BlockSparseOptimizer``, also
+        under a loss-scale optimizer, or any other: then nothing is added).
+      callbacks: The user's own callbacks (``None``: none).
+
+    Returns:
+      A new list: ``[*callbacks, *needed]``.
+
+    Raises:
+      ValueError: ``model`` has no optimizer (not compiled).
+    """
+    mine = list(callbacks or [])
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError("`model` has no optimizer: call model.compile(optimizer=...) before "
+                         "tfbs.fit_callbacks(model)")
+    opt = find_block_sparse(optimizer)
+    return mine if opt is None else [*mine, *opt.fit_callbacks(mine)]

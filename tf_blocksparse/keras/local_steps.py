@@ -23,11 +23,12 @@ slot variable follows its own gradients and is never averaged, as in DiLoCo.  Ba
 it per worker with the residuals (:mod:`~tf_blocksparse.keras.replica_state`), so a resumed
 run continues exactly.
 
-Evaluation and saving must see synchronised weights.  :class:`LocalStepsCallback` (added to
-``model.fit`` by itself, see :meth:`BlockSparseOptimizer.fit_callbacks`) synchronises after
-the last step of every epoch (so the epoch's evaluation, ``BackupAndRestore`` and
-``ModelCheckpoint`` see the synchronised model) and at the end of training; a partial window
-is exchanged like a full one.  A custom loop calls
+Evaluation and saving must see synchronised weights.  :class:`LocalStepsCallback` (pass it to
+``model.fit``: ``tfbs.fit_callbacks(model)`` adds it; a step traced without it warns)
+synchronises after the last step of every epoch (so the epoch's evaluation,
+``BackupAndRestore`` and ``ModelCheckpoint`` see the synchronised model) and at the end of
+training; ``model.fit``'s end synchronises also without it (the wrapper's
+``finalize_variable_values``).  A partial window is exchanged like a full one.  A custom loop calls
 :meth:`BlockSparseOptimizer.synchronize` before it evaluates or saves.
 
 Non-finite values: a replica whose gradient is not finite applies a zero gradient instead
@@ -45,6 +46,7 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat, codec
+from tf_blocksparse.keras import fit_loop
 from tf_blocksparse.keras import optimizer_step as step
 
 __all__ = ["LocalSteps", "LocalStepsCallback", "check_local_steps", "default_outer",
@@ -129,16 +131,16 @@ class LocalStepsCallback(keras.callbacks.Callback):
         self._optimizer: Any = None
 
     def _opt(self) -> Any:
-        from tf_blocksparse.keras.fit_loop import find_block_sparse
-
         if self._optimizer is None:
-            self._optimizer = find_block_sparse(getattr(self.model, "optimizer", None))
+            self._optimizer = fit_loop.find_block_sparse(getattr(self.model, "optimizer", None))
         return self._optimizer
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         opt = self._opt()
-        if opt is not None and opt.built:
-            opt.restart_window()
+        if opt is not None:
+            fit_loop.running(opt, self, True)
+            if opt.built:
+                opt.restart_window()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         steps = (self.params or {}).get("steps")
@@ -154,6 +156,9 @@ class LocalStepsCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._synchronize()
+        opt = self._opt()
+        if opt is not None:
+            fit_loop.running(opt, self, False)
 
     def _synchronize(self) -> None:
         opt = self._opt()

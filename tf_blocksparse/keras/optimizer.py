@@ -54,7 +54,7 @@ from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.accumulation import GradientAccumulation
 from tf_blocksparse.keras.exchange_schedule import ExchangeSchedule
 from tf_blocksparse.keras.exchange_step import ExchangeStep
-from tf_blocksparse.keras.fit_loop import BlockSparseBase, missing_fit_callbacks
+from tf_blocksparse.keras.fit_loop import BlockSparseBase
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
     OptionsView,
@@ -87,7 +87,8 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     ``BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))`` is the default: the
     exchange chosen from measurements of the running cluster (``exchange="auto"``: dense
     where compression does not pay, e.g. on a fast link, block-sparse where it does, see
-    :mod:`~tf_blocksparse.auto.auto_exchange`; ``model.fit`` re-decides after 20 steps),
+    :mod:`~tf_blocksparse.auto.auto_exchange`; with ``tfbs.fit_callbacks(model)`` passed to
+    ``model.fit`` it re-decides after 20 steps on measured step times),
     one block per variable and replica per step (``k=1``) when sparse, variables under 1024
     elements sent whole, the SGD's momentum moved before a sparse exchange.  ``exchange=
     "allgather"`` always compresses.
@@ -297,6 +298,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         return self.inner_optimizer.iterations
 
     def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
+        """Called by ``model.fit`` when training ends: local steps are synchronised first
+        (:meth:`synchronize`), so the trained model holds the same weights everywhere."""
+        self.synchronize()
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -336,6 +340,7 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             self.built = True
         loss_scale.check_outer_loss_scale(self.loss_scaled_by,
                                           self._distribution_strategy.num_replicas_in_sync)
+        self.warn_missing_fit_callbacks()
         tvs = list(self._trainable_variables if trainable_variables is None
                    else trainable_variables)
         if len(grads) != len(tvs):
@@ -359,8 +364,10 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         """Exchanges the progress of the current window of ``sync_every`` now (a partial
         window like a full one), so every replica holds the same weights: call it on every
         worker, eagerly in cross-replica context, before evaluating or saving in a custom
-        loop (``model.fit`` does by itself).  Nothing happens without ``sync_every``, before
-        the optimizer is built, or when the window is empty."""
+        loop (``model.fit`` does with its ``LocalStepsCallback``, see
+        :func:`~tf_blocksparse.keras.fit_loop.fit_callbacks`, and when it ends).  Nothing
+        happens without ``sync_every``, before the optimizer is built, or when the window is
+        empty."""
         if self._local is not None and self.built:
             self._local.synchronize()
 
@@ -435,8 +442,3 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
                     ) -> BlockSparseOptimizer:
         inner, config = from_wrapper_config(config, custom_objects)
         return cls(inner, **config)
-
-
-# model.fit gets the callbacks the optimizer needs (re-decisions of the automatic exchange, the
-# end of a dense phase) without the user adding them: see tf_blocksparse.keras.fit_loop.
-_compat.extend_callback_lists(missing_fit_callbacks)
