@@ -1,7 +1,9 @@
 """launch/bench_clipping.py: the record's schema on tiny settings (no timing thresholds).
 
 The script runs in a subprocess: it needs its own process for its MirroredStrategy and
-profiler sessions.
+profiler sessions.  Marked slow (about 45 s of one test process, the heaviest file of the
+default suite): the clipping rules and their overlap with the exchange are checked against
+NumPy in ``tests/test_clipping.py``; this file checks only the benchmark's record.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from launch import bench_clipping
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 REPEATS = 2

@@ -207,7 +207,11 @@ def test_sanity_check_projects_horovods_models_from_their_sizes():
     assert report.sanity_check({}, 50e-6, 0.5, report.GPU_COMPUTE_S)["entries"] == []
 
 
+@pytest.mark.slow
 def test_project_scaling_writes_the_schema(tmp_path):
+    """The script's file on ResNet-50 at 32x32 (about 30 s: building and timing the model).
+    Slow: the projection's arithmetic is checked by the tests above and below on the same
+    functions, without building a model."""
     on_disk = _project(tmp_path, False)
     _check_schema(on_disk, [8, 1024], [1.0, 25.0], sanity=False)
     # The dense ring all-reduce is flat in p while allgather's payload grows with it.

@@ -99,9 +99,15 @@ def test_bad_pair_rates_are_named():
 
 
 # ------------------------------------------------------------------ loopback clusters
+@pytest.mark.slow
 def test_pipeline_across_processes_matches_full_batch_training(tmp_path):
     """Stage 0 on worker 0, stage 1 data-parallel on workers 1 and 2 (three processes): the
-    pipelined gradients and update equal full-batch training of the same model."""
+    pipelined gradients and update equal full-batch training of the same model.
+
+    Slow (about 45 s, four TensorFlow processes): the default suite keeps the same numbers on
+    four logical devices of one process (``tests/test_pipeline_runtime.py``), the remote
+    placement on this very cluster machinery (the hybrid test below) and the pipeline
+    launcher across worker processes (``tests/test_cluster_scripts.py``)."""
     out = tmp_path / "grads.json"
     with ServerCluster(3, stream=io.StringIO()) as cluster:
         rc = cluster.run_client([sys.executable, CLIENT, "gradients", str(out)])
