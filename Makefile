@@ -125,7 +125,7 @@ bench-full: venv data
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --out=runs/vgg_long
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0 --methods=local_block --out=runs/vgg_long
 	cp runs/vgg_long/convergence.json $(BENCH)/convergence_vgg_fc_20_epochs.json
-	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1 --out=runs/r20_long
+	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --out=$(BENCH) && \
