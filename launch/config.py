@@ -48,6 +48,7 @@ class TrainConfig:
     # where it runs and how gradients travel
     strategy: str
     num_devices: int
+    heartbeat_timeout_s: float | None
     method: Method
     # how long, and the optimizer
     epochs: int

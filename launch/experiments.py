@@ -158,6 +158,13 @@ def train_config(method: str, density: float | None = None, **fields: Any) -> Tr
     return TrainConfig.default().replace(method=method_config(method, density), **fields)
 
 
+#: Below this link rate the runs wait longer for a worker's heartbeat
+#: (:data:`SLOW_LINK_HEARTBEAT_S`): the first weight broadcast of a large model (``vgg_fc``:
+#: 69 MB, about a minute at 10 Mbit/s) holds heartbeats up past TensorFlow's 10 s.
+SLOW_LINK_MBIT = 100.0
+SLOW_LINK_HEARTBEAT_S = 600.0
+
+
 def run_training(method: str, config: TrainConfig, num_workers: int,
                  bandwidth_mbit: float | None = None, latency_ms: float | None = None,
                  timeout_s: float = 0.0, log: bool = False,
@@ -170,6 +177,8 @@ def run_training(method: str, config: TrainConfig, num_workers: int,
             ``--deterministic`` and a temporary ``--model_dir``.
         num_workers: Worker processes.
         bandwidth_mbit: Shape every worker's link to this rate (needs root); ``None``: loopback.
+            Below :data:`SLOW_LINK_MBIT` the run gets ``--heartbeat_timeout_s`` (unless the
+            config sets one).
         latency_ms: Added one-way delay on the shaped links.
         timeout_s: Kill the cluster after this long (0: no limit).
         log: Stream the workers' output.
@@ -183,6 +192,9 @@ def run_training(method: str, config: TrainConfig, num_workers: int,
 
     with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
         run = config.replace(strategy="multiworker", model_dir=tmp, deterministic=True)
+        if (bandwidth_mbit is not None and bandwidth_mbit < SLOW_LINK_MBIT
+                and run.heartbeat_timeout_s is None):
+            run = run.replace(heartbeat_timeout_s=SLOW_LINK_HEARTBEAT_S)
         cmd = [*TRAIN, *run.to_flags()]
         # the workers count their wall clock from here (launch/callbacks.launch_seconds)
         kwargs: dict = {"env": {"TFBS_LAUNCH_TIME": repr(time.time())}}

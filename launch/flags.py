@@ -137,6 +137,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "or SLURM's environment.", **fv)
     flags.DEFINE_integer("num_devices", 2, "Local devices for --strategy=mirrored (logical "
                          "CPUs are created when there are no GPUs).", lower_bound=1, **fv)
+    flags.DEFINE_float("heartbeat_timeout_s", None, "--strategy=multiworker: seconds without "
+                       "a heartbeat before a worker counts as dead (default: TensorFlow's, "
+                       "10 s). Raise it on slow links, where the first weight broadcast can "
+                       "hold heartbeats up longer.", lower_bound=0.001, **fv)
     flags.DEFINE_enum("compression", "block", ["dense", "block", "topk"],
                       "dense: plain all-reduce; block: block-wise top-k with error feedback; "
                       "topk: element-wise top-k with error feedback (DGC/GRACE baseline).", **fv)

@@ -35,17 +35,21 @@ def define_flags() -> None:
                       "launch.bench_convergence's results: PATH for every model, MODEL=PATH "
                       "for one model's (e.g. a longer budget's file), as "
                       "launch.bench_wall_clock --convergence.")
-    flags.DEFINE_string("wall_clock", "benchmarks/results/local_steps_wall_clock.json",
-                        "launch.bench_wall_clock's results (--target_drop=0.005).")
+    flags.DEFINE_list("wall_clock", ["benchmarks/results/local_steps_wall_clock.json"],
+                      "launch.bench_wall_clock's results (--target_drop=0.005); of several "
+                      "files, a later file's row of a model, rate and method wins.")
     flags.DEFINE_string("out", "benchmarks/results/local_steps.json", "Output file.")
 
 
-def summary_rows(convergence: dict, wall: dict | None) -> list[dict]:
+def summary_rows(convergence: dict, wall: dict | list[dict] | None) -> list[dict]:
     """One row per model x rate x method of :data:`REPORT_METHODS`, for the models with a
-    local-step run (rate ``None``: no wall-clock timing of that model)."""
+    local-step run (rate ``None``: no wall-clock timing of that model).  ``wall``: one
+    ``launch.bench_wall_clock`` document or several (a later one's row of a model, rate and
+    method wins)."""
     runs = [r for r in convergence["runs"] if r["method"] in REPORT_METHODS]
+    walls = wall if isinstance(wall, list) else [wall] if wall else []
     wall_rows = {(w["model"], w["bandwidth_mbit"], w["method"]): w
-                 for w in (wall or {}).get("summary", [])}
+                 for doc in walls for w in doc.get("summary", [])}
     rates_of: dict[str, list] = {}
     for model, rate, _ in wall_rows:
         rates_of.setdefault(model, [])
@@ -108,17 +112,18 @@ def main(argv: list[str]) -> None:
     runs, budgets, files = model_runs(FLAGS.convergence)
     first = budgets[next(iter(files))] if files else {}
     convergence = {"budget": first, "runs": runs}
-    wall = None
-    if os.path.exists(FLAGS.wall_clock):
-        with open(FLAGS.wall_clock) as fh:
-            wall = json.load(fh)
-    rows = summary_rows(convergence, wall)
+    walls = {}
+    for path in FLAGS.wall_clock:
+        if os.path.exists(path):
+            with open(path) as fh:
+                walls[path] = json.load(fh)
+    rows = summary_rows(convergence, list(walls.values()))
     reported = {row["model"] for row in rows}
     doc = {
         "budget": {"convergence": convergence["budget"],
                    "convergence_files": files,
                    "epochs_by_model": {m: b["epochs"][m] for m, b in budgets.items()},
-                   "wall_clock": None if wall is None else wall["budget"],
+                   "wall_clock": {p: w["budget"] for p, w in walls.items()} or None,
                    "methods": {m: experiments.method_flags(m) for m in REPORT_METHODS}},
         "summary": rows,
         "runs": [r for r in convergence["runs"]  # the records behind the rows

@@ -47,7 +47,8 @@ def logical_cpus(count: int, skip_on_gpu: bool = False) -> None:
                                "initialises its devices") from err
 
 
-def make_strategy(name: str, num_devices: int = 2) -> Any:
+def make_strategy(name: str, num_devices: int = 2, heartbeat_timeout_s: float | None = None
+                  ) -> Any:
     """The ``tf.distribute`` strategy of ``launch.train --strategy``.
 
     Args:
@@ -56,6 +57,8 @@ def make_strategy(name: str, num_devices: int = 2) -> Any:
             ``"mirrored"``: ``MirroredStrategy`` over ``num_devices`` local GPUs, or as many
             logical CPUs on a machine without GPUs; anything else: the default strategy.
         num_devices: Local devices of ``"mirrored"``.
+        heartbeat_timeout_s: ``"multiworker"``'s coordination heartbeat timeout (``None``:
+            TensorFlow's default).
 
     Raises:
         app.UsageError: ``"mirrored"`` asks for more GPUs than the machine has.
@@ -68,7 +71,8 @@ def make_strategy(name: str, num_devices: int = 2) -> Any:
         resolver = None
         if "TF_CONFIG" not in os.environ and "SLURM_JOB_ID" in os.environ:
             resolver = tf.distribute.cluster_resolver.SlurmClusterResolver()
-        return tfbs.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+        return tfbs.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                heartbeat_timeout_s=heartbeat_timeout_s)
     if name == "mirrored":
         gpus = tf.config.list_physical_devices("GPU")
         if gpus and num_devices > len(gpus):

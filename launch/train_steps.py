@@ -106,7 +106,8 @@ def prepare(config: TrainConfig) -> Setup:
     if config.deterministic:  # the same seed gives the same accuracies on a re-run
         keras.utils.set_random_seed(config.seed)
         tf.config.experimental.enable_op_determinism()
-    strategy = runtime.make_strategy(config.strategy, config.num_devices)
+    strategy = runtime.make_strategy(config.strategy, config.num_devices,
+                                     config.heartbeat_timeout_s)
     num_workers, index, chief = worker_role(strategy)
     arrays = inputs.load_arrays(config.dataset, config.model, config.data_dir,
                                 config.tfds_data_dir, list(config.synthetic_shape),

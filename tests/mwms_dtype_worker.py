@@ -61,7 +61,7 @@ def _values(strategy: tf.distribute.Strategy, task: int) -> dict:
 
 
 def main(out_dir: str) -> None:
-    strategy = tfbs.MultiWorkerMirroredStrategy()
+    strategy = tfbs.MultiWorkerMirroredStrategy(heartbeat_timeout_s=123.0)
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     x, y = _examples()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
@@ -78,6 +78,7 @@ def main(out_dir: str) -> None:
         model.save(os.path.join(out_dir, "chief.keras"))
     record = {"loss": hist.history["loss"], "values": _values(strategy, task),
               "weights_sum": float(sum(np.abs(w).sum() for w in model.get_weights())),
+              "heartbeat_timeout_s": _compat.coordination_heartbeat_timeout_s(),
               "residual_sums": [float(np.sum(c.numpy())) for r in opt.residuals
                                 for c in _compat.local_components(r)]}
     with open(os.path.join(out_dir, f"dtypes_{task}.json"), "w") as f:

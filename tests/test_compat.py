@@ -5,6 +5,8 @@ changes a private API fails here, by name, rather than somewhere inside training
 """
 
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -305,3 +307,26 @@ def test_assign_replica_copies_gives_each_replica_its_own_value(mirrored2):
     outside = tf.Variable(np.zeros(2, "float32"))  # no strategy: a plain assign
     _compat.assign_replica_copies([outside], [tf.ones(2)])
     np.testing.assert_array_equal(outside.numpy(), [1.0, 1.0])
+
+
+def test_configure_coordination_sets_the_heartbeat_timeout_once():
+    """In a fresh process (the coordination service is configured once per process): the
+    hook configures it with the timeout, refuses a second time, and TF's multi-worker
+    strategy reads the same configuration (``coordination_service``)."""
+    code = (
+        "import tensorflow as tf\n"
+        "from tf_blocksparse import _compat\n"
+        "assert _compat.coordination_heartbeat_timeout_s() is None\n"
+        "spec = tf.train.ClusterSpec({'worker': ['localhost:1', 'localhost:2']})\n"
+        "assert _compat.configure_coordination(spec, 7.5)\n"
+        "assert not _compat.configure_coordination(spec, 9.0)\n"
+        "from tensorflow.python.eager import context\n"
+        "c = context.context().coordination_service\n"
+        "assert c.service_type == 'standalone' and c.heartbeat_timeout_in_ms == 7500, c\n"
+        "assert c.service_leader == '/job:worker/replica:0/task:0', c.service_leader\n"
+        "assert [(j.name, j.num_tasks) for j in c.coordinated_job_list] == [('worker', 2)]\n"
+        "print(_compat.coordination_heartbeat_timeout_s())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "7.5"

@@ -33,6 +33,15 @@ def test_rows_join_accuracy_bytes_and_wall_clock_per_rate():
     assert block["wall_speedup_vs_dense"] == speed and rows[3]["wall_speedup_vs_dense"] is None
     untimed = local_steps_report.summary_rows(convergence, None)
     assert [r["bandwidth_mbit"] for r in untimed] == [None, None]
+    # several timing files: their rates join, a later file's row of the same key wins
+    later = {"summary": [{**wall["summary"][0], "wall_speedup_vs_dense": None},
+                         {"model": "m", "bandwidth_mbit": 30.0, "method": "local_block",
+                          "wall_speedup_vs_dense": speed}]}
+    both = local_steps_report.summary_rows(convergence, [wall, later])
+    assert [(r["bandwidth_mbit"], r["method"]) for r in both] == [
+        (100.0, "dense"), (100.0, "local_block"), (10.0, "dense"), (10.0, "local_block"),
+        (30.0, "dense"), (30.0, "local_block")]
+    assert both[1]["wall_speedup_vs_dense"] is None and both[5]["wall_speedup_vs_dense"] == speed
 
 
 def _file(path, epochs, runs):

@@ -34,13 +34,16 @@ def test_wire_dtype(dtype, supported, wire):
 
 def test_uint8_labels_fit_and_narrow_dtypes_reduce_exactly(tmp_path):
     """Both workers fit on uint8 labels (Keras reduces the first batch for its symbolic
-    build) and agree.  Every dtype comes back with the numbers of int32 (integers, bool) or
-    float32: as itself, but a MEAN of integers as float64, as int32's."""
+    build) and agree, with a longer coordination heartbeat timeout than TF's.  Every dtype
+    comes back with the numbers of int32 (integers, bool) or float32: as itself, but a MEAN
+    of integers as float64, as int32's."""
     cmd = [sys.executable, os.path.join(ROOT, "tests", "mwms_dtype_worker.py"), str(tmp_path)]
     rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": ROOT}, timeout_s=240)
     assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs above)"
     records = [json.loads((tmp_path / f"dtypes_{i}.json").read_text()) for i in range(2)]
     assert records[0]["weights_sum"] == records[1]["weights_sum"]
+    # the strategy ran under the coordination service configured with its heartbeat timeout
+    assert [r["heartbeat_timeout_s"] for r in records] == [123.0, 123.0]
     # the chief saved alone and nothing waited; its replica's residuals stand in for the
     # cluster's sum (twice its own: one replica per worker), which one replica loads whole
     import keras
@@ -70,3 +73,9 @@ def test_uint8_labels_fit_and_narrow_dtypes_reduce_exactly(tmp_path):
                                     in values["float32"].items()}, name
         assert values["bool"] == {"sum": ["bool", [1, 1]], "mean": ["float64", [0.5, 1]],
                                   "mean0": ["float64", 0.75], "gather": ["bool", [0, 1, 1, 1]]}
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "10"])
+def test_a_bad_heartbeat_timeout_is_named(bad):
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        strategy_lib.MultiWorkerMirroredStrategy(heartbeat_timeout_s=bad)

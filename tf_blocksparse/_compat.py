@@ -145,6 +145,42 @@ def strategy_cross_device_ops(strategy: Any) -> Any:
     return strategy.extended._cross_device_ops
 
 
+def configure_coordination(cluster_spec: Any, heartbeat_timeout_s: float) -> bool:
+    """Configures this process's coordination service as ``MultiWorkerMirroredStrategy``
+    would (a standalone service led by the chief, or worker 0, coordinating the chief and
+    worker jobs), with a heartbeat timeout of ``heartbeat_timeout_s``.  Call it before the
+    strategy is created: the strategy configures the service only when nothing did.
+
+    Returns:
+      ``False`` (and changes nothing) when the service is configured already.
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy as mwms
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    coordination_config_pb2 = mwms.coordination_config_pb2  # its place moves between versions
+
+    ctx = context.context()
+    if ctx.coordination_service is not None:
+        return False
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        coordinated_jobs=jobs, heartbeat_timeout_in_ms=int(round(heartbeat_timeout_s * 1e3)))
+    return True
+
+
+def coordination_heartbeat_timeout_s() -> float | None:
+    """The configured coordination service's heartbeat timeout in seconds (``None``: no
+    service configured; 0: TensorFlow's default)."""
+    from tensorflow.python.eager import context
+
+    config = context.context().coordination_service
+    return None if config is None else config.heartbeat_timeout_in_ms / 1e3
+
+
 # -- Keras layers and models ---------------------------------------------------------------
 def flatten_layers(model: Any) -> list[Any]:
     """Every layer inside ``model``, nested ones included (not ``model`` itself); a model

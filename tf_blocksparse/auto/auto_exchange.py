@@ -36,14 +36,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_blocksparse.auto import link_probe
 from tf_blocksparse.exchange import group_cost
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.keras.fit_loop import find_block_sparse
+from tf_blocksparse.keras.fit_loop import OptimizerCallback
 from tf_blocksparse.planning.exchange_cost import (
     CANDIDATES,
     AutoExchange,
@@ -247,7 +246,7 @@ def remeasure_gap(policy: AutoExchange, strategy: tf.distribute.Strategy,
     return max(every, math.ceil(spent / (policy.measure_budget * step_s)))
 
 
-class AutoExchangeCallback(keras.callbacks.Callback):
+class AutoExchangeCallback(OptimizerCallback):
     """Re-decides the automatic exchange with measured step times during ``model.fit``.
 
     After the policy's ``warmup_steps`` steps the choice is re-taken with the time per step
@@ -280,7 +279,7 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         self.initial: ExchangeDecision | None = None
 
     def _opt(self) -> Any:
-        opt = find_block_sparse(getattr(self.model, "optimizer", None))
+        opt = self.block_sparse
         return opt if opt is not None and opt.exchange_chooser is not None else None
 
     @staticmethod
@@ -288,9 +287,8 @@ class AutoExchangeCallback(keras.callbacks.Callback):
         """Summed exchange seconds and steps so far (a collective under multi-worker)."""
         return opt.block_sparse_metrics()["exchange_s_total"], float(opt.iterations.numpy())
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = self._opt()
-        if opt is not None:
+    def train_begin(self, opt: Any) -> None:
+        if opt.exchange_chooser is not None:
             self._next = opt.exchange.warmup_steps
             self._window_start = None
             if self.initial is None:

@@ -10,8 +10,13 @@ no bfloat16), while Keras sends whatever the data holds, e.g. the uint8 labels o
 ``keras.datasets.fashion_mnist``.  ``reduce`` and ``gather`` send any other integer or bool
 value as int32 (int64 for 32- and 64-bit unsigned ones) and bfloat16 as float32, and cast the
 result back to the value's dtype; only a MEAN of integers or bools stays what TF's MEAN of
-int32 gives, the exact float64 mean.  Only the bytes on the wire grow.  Everything else is
-TF's strategy.
+int32 gives, the exact float64 mean.  Only the bytes on the wire grow.
+
+On a slow link the first collectives (the broadcast of the initial weights: 69 MB for
+``vgg_fc``, about a minute at 10 Mbit/s) can hold up the coordination service's heartbeats
+longer than TensorFlow's default timeout (10 s), and the job dies with "tasks stopped sending
+heartbeats".  ``heartbeat_timeout_s`` sets a longer one (every worker must pass the same);
+a dead worker is then noticed that much later.  Everything else is TF's strategy.
 """
 
 from __future__ import annotations
@@ -65,7 +70,40 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     a ``reduce`` / ``gather`` for every integer and bool dtype (module docstring).
 
     Use exactly like TF's class (it reads ``TF_CONFIG`` or takes a cluster resolver).
+
+    Args:
+      cluster_resolver: As TF's (default: ``TF_CONFIG``'s cluster).
+      communication_options: As TF's.
+      heartbeat_timeout_s: Seconds without a heartbeat after which the coordination
+        service declares a worker dead (``None``: TensorFlow's default, 10 s).  Raise it
+        on slow links (module docstring); every worker must pass the same value.
+
+    Raises:
+      ValueError: ``heartbeat_timeout_s`` is not a positive number, or the coordination
+        service of this process was configured already with another timeout.
     """
+
+    def __init__(self, cluster_resolver: Any = None, communication_options: Any = None, *,
+                 heartbeat_timeout_s: float | None = None):
+        if heartbeat_timeout_s is not None:
+            if (isinstance(heartbeat_timeout_s, bool)
+                    or not isinstance(heartbeat_timeout_s, (int, float))
+                    or not 0 < heartbeat_timeout_s < float("inf")):
+                raise ValueError("`heartbeat_timeout_s` must be a positive number of seconds, "
+                                 f"got {heartbeat_timeout_s!r}")
+            if cluster_resolver is None:
+                cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+            spec = cluster_resolver.cluster_spec()
+            if spec.jobs and cluster_resolver.task_type in ("chief", "worker"):
+                configured = _compat.configure_coordination(spec, heartbeat_timeout_s)
+                have = _compat.coordination_heartbeat_timeout_s()
+                if not configured and have != heartbeat_timeout_s:
+                    raise ValueError(
+                        f"`heartbeat_timeout_s`={heartbeat_timeout_s}: this process's "
+                        f"coordination service is configured already (heartbeat timeout "
+                        f"{have or 'default'}); create the strategy before any other")
+        super().__init__(cluster_resolver=cluster_resolver,
+                         communication_options=communication_options)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """Reduces every leaf of ``value``; scalars are reduced across replicas only.

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 from tf_blocksparse.keras import fit_loop
 
 __all__ = ["DensePhaseCallback"]
 
 
-class DensePhaseCallback(keras.callbacks.Callback):
+class DensePhaseCallback(fit_loop.OptimizerCallback):
     """Ends the optimizer's dense phase (``dense_steps``) during ``model.fit`` once its
     ``iterations`` reach ``dense_steps``, and has Keras re-trace the train function.
 
@@ -40,25 +38,12 @@ class DensePhaseCallback(keras.callbacks.Callback):
     step.
     """
 
-    def _opt(self) -> Any:
-        return fit_loop.find_block_sparse(getattr(self.model, "optimizer", None))
-
-    def _update(self) -> None:
-        opt = self._opt()
+    def _update(self, opt: Any) -> None:
         if opt is not None and opt.in_dense_phase and opt.update_dense_phase():
             self.model.make_train_function(force=True)
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = self._opt()
-        if opt is not None:
-            fit_loop.running(opt, self, True)
-        self._update()
-
-    def on_train_end(self, logs: dict | None = None) -> None:
-        opt = self._opt()
-        if opt is not None:
-            fit_loop.running(opt, self, False)
+    def train_begin(self, opt: Any) -> None:
+        self._update(opt)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._update()
-
+        self._update(self.block_sparse)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from tf_blocksparse.auto import auto_exchange
@@ -163,26 +162,23 @@ class ExchangeSchedule:
         return auto_exchange.compression_seconds(
             [self._compressor(g) for g in sparse], self.group_dtypes(sparse))
 
-    def fit_callbacks(self, callbacks: Sequence[keras.callbacks.Callback] = ()
-                      ) -> list[keras.callbacks.Callback]:
-        """The callbacks ``model.fit`` needs for the owner that ``callbacks`` lacks: an
+    def fit_callback_types(self) -> list[type]:
+        """The callback classes ``model.fit`` needs for the owner: an
         :class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback` with
         ``exchange="auto"`` and a choice (two or more candidates), a
         :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback` with ``dense_steps``,
         a :class:`~tf_blocksparse.keras.local_steps.LocalStepsCallback` with ``sync_every``.
 
-        Pass them to ``model.fit`` (``callbacks=tfbs.fit_callbacks(model, mine)``, see
-        :mod:`~tf_blocksparse.keras.fit_loop`) or to a loop's own ``CallbackList``.
+        ``tfbs.fit_callbacks(model, mine)`` adds those ``mine`` lacks (see
+        :mod:`~tf_blocksparse.keras.fit_loop`); a loop with its own ``CallbackList`` adds
+        them itself.
         """
         owner = self._owner
-        out: list[keras.callbacks.Callback] = []
-        if owner.compression.auto and not owner.exchange.pinned and not any(
-                isinstance(c, auto_exchange.AutoExchangeCallback) for c in callbacks):
-            out.append(auto_exchange.AutoExchangeCallback())
-        if owner.compression.dense_steps and not any(
-                isinstance(c, dense_phase.DensePhaseCallback) for c in callbacks):
-            out.append(dense_phase.DensePhaseCallback())
-        if owner.sync_every is not None and not any(
-                isinstance(c, local_steps.LocalStepsCallback) for c in callbacks):
-            out.append(local_steps.LocalStepsCallback())
+        out: list[type] = []
+        if owner.compression.auto and not owner.exchange.pinned:
+            out.append(auto_exchange.AutoExchangeCallback)
+        if owner.compression.dense_steps:
+            out.append(dense_phase.DensePhaseCallback)
+        if owner.sync_every is not None:
+            out.append(local_steps.LocalStepsCallback)
         return out

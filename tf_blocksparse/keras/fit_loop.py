@@ -25,7 +25,8 @@ local steps run without their callback warns once, naming it (a custom loop that
 ``update_dense_phase()`` / ``synchronize()`` itself may ignore the warning).
 
 This module imports no optimizer (the callbacks' modules are imported by the optimizer's):
-the wrapper is recognised by its base class :class:`BlockSparseBase`.
+the wrapper is recognised by its base class :class:`BlockSparseBase`, and the callbacks
+derive from :class:`OptimizerCallback`, which finds it and notes that they run.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["BlockSparseBase", "MissingFitCallbackWarning", "find_block_sparse",
-           "fit_callbacks"]
+import keras
+
+__all__ = ["BlockSparseBase", "MissingFitCallbackWarning", "OptimizerCallback",
+           "find_block_sparse", "fit_callbacks"]
 
 
 class MissingFitCallbackWarning(UserWarning):
@@ -69,9 +72,14 @@ class BlockSparseBase:
 
     loss_scaled_by: str | None = None
 
-    def fit_callbacks(self, callbacks: Sequence[Any] = ()) -> list[Any]:
-        """The callbacks ``model.fit`` needs for this optimizer that ``callbacks`` lacks."""
+    def fit_callback_types(self) -> list[type]:
+        """The callback classes ``model.fit`` needs for this optimizer."""
         raise NotImplementedError
+
+    def fit_callbacks(self, callbacks: Sequence[Any] = ()) -> list[Any]:
+        """New instances of the :meth:`fit_callback_types` that ``callbacks`` lacks."""
+        return [cls() for cls in self.fit_callback_types()
+                if not any(isinstance(c, cls) for c in callbacks)]
 
     def warn_missing_fit_callbacks(self) -> None:
         """Warns once (:class:`MissingFitCallbackWarning`) when a callback this optimizer
@@ -79,8 +87,8 @@ class BlockSparseBase:
         if self in _WARNED:
             return
         running = _RUNNING.get(self, {})
-        missing = [type(c).__name__ for c in self.fit_callbacks()
-                   if type(c).__name__ in _NEEDED_FOR and not running.get(type(c).__name__)]
+        missing = [cls.__name__ for cls in self.fit_callback_types()
+                   if cls.__name__ in _NEEDED_FOR and not running.get(cls.__name__)]
         if not missing:
             return
         _WARNED.add(self)
@@ -97,6 +105,40 @@ def running(optimizer: BlockSparseBase, callback: Any, on: bool) -> None:
     counts = _RUNNING.setdefault(optimizer, {})
     name = type(callback).__name__
     counts[name] = max(0, counts.get(name, 0) + (1 if on else -1))
+
+
+class OptimizerCallback(keras.callbacks.Callback):
+    """Base of the callbacks a ``BlockSparseOptimizer`` needs in ``model.fit``: finds the
+    model's optimizer and notes, from train begin to train end, that the callback runs (so
+    that a traced step does not warn).  Subclasses override :meth:`train_begin` and
+    :meth:`train_end` (called only when the model's optimizer is a ``BlockSparseOptimizer``)
+    and Keras' other hooks.
+    """
+
+    @property
+    def block_sparse(self) -> BlockSparseBase | None:
+        """The ``BlockSparseOptimizer`` of the model being fitted, or ``None``."""
+        return find_block_sparse(getattr(self.model, "optimizer", None))
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        opt = self.block_sparse
+        if opt is not None:
+            running(opt, self, True)
+            self.train_begin(opt)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        opt = self.block_sparse
+        if opt is not None:
+            try:
+                self.train_end(opt)
+            finally:
+                running(opt, self, False)
+
+    def train_begin(self, opt: Any) -> None:
+        """Called at the start of ``fit`` with the model's ``BlockSparseOptimizer``."""
+
+    def train_end(self, opt: Any) -> None:
+        """Called at the end of ``fit`` with the model's ``BlockSparseOptimizer``."""
 
 
 def find_block_sparse(optimizer: Any) -> BlockSparseBase | None:

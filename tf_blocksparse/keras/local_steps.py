@@ -120,27 +120,15 @@ def assign_on_each_replica(variables: Sequence[Any], values: Sequence[tf.Tensor]
     _compat.assign_replica_copies([getattr(v, "value", v) for v in variables], list(values))
 
 
-class LocalStepsCallback(keras.callbacks.Callback):
+class LocalStepsCallback(fit_loop.OptimizerCallback):
     """Synchronises a ``BlockSparseOptimizer`` with ``sync_every`` after the last step of
     every epoch and at the end of training (so evaluation, backups and saved models see
     synchronised weights), and restarts its window from the model's weights at the start
     of training (weights loaded after the optimizer was built are adopted)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._optimizer: Any = None
-
-    def _opt(self) -> Any:
-        if self._optimizer is None:
-            self._optimizer = fit_loop.find_block_sparse(getattr(self.model, "optimizer", None))
-        return self._optimizer
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = self._opt()
-        if opt is not None:
-            fit_loop.running(opt, self, True)
-            if opt.built:
-                opt.restart_window()
+    def train_begin(self, opt: Any) -> None:
+        if opt.built:
+            opt.restart_window()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         steps = (self.params or {}).get("steps")
@@ -154,14 +142,11 @@ class LocalStepsCallback(keras.callbacks.Callback):
         if not (self.params or {}).get("steps"):  # epoch length unknown in advance
             self._synchronize()
 
-    def on_train_end(self, logs: dict | None = None) -> None:
+    def train_end(self, opt: Any) -> None:
         self._synchronize()
-        opt = self._opt()
-        if opt is not None:
-            fit_loop.running(opt, self, False)
 
     def _synchronize(self) -> None:
-        opt = self._opt()
+        opt = self.block_sparse
         if opt is not None and opt.built:
             opt.synchronize()
 

@@ -406,10 +406,10 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         """See :meth:`ExchangeSchedule.update_dense_phase`."""
         return self._schedule.update_dense_phase()
 
-    def fit_callbacks(self, callbacks: Sequence[keras.callbacks.Callback] = ()
-                      ) -> list[keras.callbacks.Callback]:
-        """See :meth:`ExchangeSchedule.fit_callbacks`."""
-        return self._schedule.fit_callbacks(callbacks)
+    def fit_callback_types(self) -> list[type]:
+        """See :meth:`ExchangeSchedule.fit_callback_types`; :meth:`fit_callbacks` gives
+        new instances of those a list lacks."""
+        return self._schedule.fit_callback_types()
 
     @property
     def exchange_chooser(self) -> auto_exchange.ExchangeChooser | None:
