@@ -1,7 +1,8 @@
 """The projection half of ``launch.project_scaling``: scaling efficiency from measured inputs
 (:func:`project`), the dense case checked against Horovod's published figures
 (:func:`sanity_check`), and the markdown table.  Plain Python over the alpha-beta model of
-:mod:`tf_blocksparse.planning.scaling`; the measurements live in the script.
+:mod:`tf_blocksparse.planning.scaling`; the measurements live in the script's body,
+:mod:`launch.benches.scaling`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import Any
 from tf_blocksparse.planning import scaling
 
 #: Published single-P100 step times at batch 64 (see the module docstring): assumptions.
+#: The projection's default cluster sizes and link rates (Gbit/s).
+DEFAULT_WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024)
+DEFAULT_BANDWIDTHS = (1.0, 10.0, 25.0, 100.0)
 GPU_COMPUTE_S = {"resnet50": 64 / 219, "vgg16": 64 / 154, "resnet101": 64 / 129}
 GPU_SOURCE = ("TensorFlow performance benchmarks (tf_cnn_benchmarks), NVIDIA DGX-1, 1x Tesla "
               "P100, batch 64, synthetic data, May 2017: ResNet-50 219 img/s, VGG-16 154 "

@@ -1,4 +1,5 @@
-"""launch/bench_clipping.py: the record's schema on tiny settings (no timing thresholds).
+"""launch/bench_clipping.py (its body, launch/benches/clipping.py): the record's schema on tiny
+settings (no timing thresholds).
 
 The script runs in a subprocess: it needs its own process for its MirroredStrategy and
 profiler sessions.  Marked slow (about 45 s of one test process, the heaviest file of the
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import bench_clipping
+from launch import clipping_variants
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +59,11 @@ def test_record_is_strict_json(record: dict) -> None:
 def test_overlap_schema(record: dict, logdir: Path) -> None:
     overlap = record["overlap"]
     assert overlap["logdir"] == str(logdir) and overlap["trace_steps"] == TRACE_STEPS
-    for variant in bench_clipping.OVERLAP_VARIANTS:  # one profiler session per traced step
+    for variant in clipping_variants.OVERLAP_VARIANTS:  # one profiler session per traced step
         for step in range(TRACE_STEPS):
             assert glob.glob(str(logdir / f"{variant}_{step}" / "plugins" / "profile" / "*"
                                  / "*.xplane.pb"))
-    assert set(overlap["variants"]) == set(bench_clipping.OVERLAP_VARIANTS)
+    assert set(overlap["variants"]) == set(clipping_variants.OVERLAP_VARIANTS)
     for row in overlap["variants"].values():
         assert 0.0 <= row["exchange_overlap_fraction"] <= 1.0
         assert 0.0 <= row["joint_exchange_overlap_fraction"] <= 1.0
@@ -91,13 +92,13 @@ def test_overlap_schema(record: dict, logdir: Path) -> None:
 
 def test_step_time_schema(record: dict) -> None:
     step = record["step_time"]
-    assert step["repeats"] == REPEATS and step["baseline"] == bench_clipping.BASELINE
-    assert set(step["variants"]) == set(bench_clipping.STEP_VARIANTS)
-    ratio = f"ratio_vs_{bench_clipping.BASELINE}"
+    assert step["repeats"] == REPEATS and step["baseline"] == clipping_variants.BASELINE
+    assert set(step["variants"]) == set(clipping_variants.STEP_VARIANTS)
+    ratio = f"ratio_vs_{clipping_variants.BASELINE}"
     for row in step["variants"].values():
         assert row["median_ms"] > 0 and row[ratio] > 0 and row["first_call_s"] > 0
         assert len(row["times_ms"]) == REPEATS and all(t > 0 for t in row["times_ms"])
         assert row["fusion_groups"] >= 1
-    assert step["variants"][bench_clipping.BASELINE][ratio] == 1.0
+    assert step["variants"][clipping_variants.BASELINE][ratio] == 1.0
     assert step["variants"]["local_clip_allgather"]["fusion_groups"] == (
         record["overlap"]["variants"]["fused"]["fusion_groups"])

@@ -1,4 +1,5 @@
-"""launch/bench_fusion.py: the record's schema on tiny settings (no timing thresholds)."""
+"""launch/bench_fusion.py (its body, launch/benches/fusion.py): the record's schema on tiny
+settings (no timing thresholds)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from launch import bench_fusion, fusion_plans, fusion_step
+from launch.benches import fusion
 from tf_blocksparse.planning import TensorSpec, plan_balanced
 
 PLAN_METHODS = {"balanced", "tf_group_by_size", "ddp", "horovod_greedy"}
@@ -17,7 +19,7 @@ REPEATS = 2
 @pytest.fixture(scope="module")
 def record(mirrored2: tf.distribute.MirroredStrategy) -> dict:
     """One tiny run, on the session's MirroredStrategy (never a second instance)."""
-    return bench_fusion.run(
+    return fusion.run(
         buffer_mib=(4, 25), plan_models=("resnet50",), sim_model="cnn_bn",
         sim_image_size=16, sim_batch=2, sim_warmup=1, sim_steps=2, cycle_ms=1.0,
         step_model="cnn_bn", step_image_size=16, step_batch=2, warmup=1, repeats=REPEATS,
@@ -74,13 +76,12 @@ def test_plans_order_is_derived_and_defaults_are_the_baselines_own(record: dict)
 
 
 def test_sections_run_alone_and_are_checked() -> None:
-    record = bench_fusion.run(buffer_mib=(0.01,), plan_models=("cnn_bn",),
-                              sections=("plans",))
+    record = fusion.run(buffer_mib=(0.01,), plan_models=("cnn_bn",), sections=("plans",))
     assert set(record) == {"plans", "section_seconds", "machine"}
     assert set(record["section_seconds"]) == {"plans"}
     assert record["plans"]["cnn_bn"]["order_positions_differing_from_reversed_list"] == 0
     with pytest.raises(ValueError, match="`sections`"):
-        bench_fusion.run(sections=("plans", "nope"))
+        fusion.run(sections=("plans", "nope"))
 
 
 def test_simulation_schema(record: dict) -> None:

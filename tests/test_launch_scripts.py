@@ -1,7 +1,8 @@
 """Every launch script as a user starts it: ``python -m launch.X`` from the repository root.
 
 ``--help`` lists the script's own flags (also those it shares through ``launch/flags.py``);
-bad flag values stop the script at flag parsing with an error that names the flag; a small
+bad flag values stop the script at flag parsing with an error that names the flag; neither
+imports TensorFlow or Keras (so both answer at once); a small
 training run prints its progress lines and summary, not TensorFlow's INFO log.  The
 processes run side by side (each imports TensorFlow).
 """
@@ -40,6 +41,8 @@ OWN_FLAGS = {
     "local_cluster": ["num_workers", "grace_s", "bandwidth_mbit", "log_dir"],
     "netem": ["num_workers", "bandwidth_mbit", "seconds"],
     "local_steps_report": ["convergence", "wall_clock", "out"],
+    "bench_wall_clock": ["models", "bandwidths_mbit", "timing_steps", "check"],
+    "bench_backup": ["model", "bandwidth_mbit", "methods", "epochs"],
 }
 
 #: (script, arguments, the flag the error must name).
@@ -63,9 +66,20 @@ BAD_FLAGS = [
 ]
 
 
-def _start(script: str, *args: str) -> subprocess.Popen:
+def _start(script: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", f"launch.{script}", *args], cwd=ROOT,
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _without_tensorflow(root: Path) -> dict:
+    """An environment where importing TensorFlow or Keras fails: ``--help`` and flag
+    errors must not need them (they take seconds to import)."""
+    for name in ("tensorflow", "keras"):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "__init__.py").write_text(
+            f"raise ImportError('{name} imported before the flags were parsed')\n")
+    return dict(ENV, PYTHONPATH=f"{root}{os.pathsep}{ROOT}")
 
 
 def _finish(procs: dict) -> dict:
@@ -77,13 +91,19 @@ def _finish(procs: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def helps() -> dict:
-    return _finish({s: _start(s, "--help") for s in OWN_FLAGS})
+def no_tf(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _without_tensorflow(tmp_path_factory.mktemp("no_tf"))
 
 
 @pytest.fixture(scope="module")
-def bad_runs() -> dict:
-    return _finish({i: _start(script, *args) for i, (script, args, _) in enumerate(BAD_FLAGS)})
+def helps(no_tf: dict) -> dict:
+    return _finish({s: _start(s, "--help", env=no_tf) for s in OWN_FLAGS})
+
+
+@pytest.fixture(scope="module")
+def bad_runs(no_tf: dict) -> dict:
+    return _finish({i: _start(script, *args, env=no_tf)
+                    for i, (script, args, _) in enumerate(BAD_FLAGS)})
 
 
 @pytest.mark.parametrize("script", sorted(OWN_FLAGS))

@@ -1,5 +1,5 @@
 """Tests of the alpha-beta scaling model (``tf_blocksparse.planning.scaling``) and of the
-JSON that ``launch/project_scaling.py`` writes."""
+JSON that ``launch/project_scaling.py`` writes (its body: ``launch/benches/scaling.py``)."""
 
 from __future__ import annotations
 
@@ -179,11 +179,11 @@ def _check_sanity(s: dict) -> None:
 
 
 def _project(tmp_path, with_sanity_check: bool) -> dict:
-    project_scaling = pytest.importorskip("launch.project_scaling")
+    scaling_body = pytest.importorskip("launch.benches.scaling")
     out = tmp_path / "results" / "scaling.json"
-    result = project_scaling.run(models=["resnet50"], workers=[8, 1024],
-                                 bandwidths_gbit=[1.0, 25.0], image_size=32, cpu_batch=1,
-                                 repeats=1, with_sanity_check=with_sanity_check, out=str(out))
+    result = scaling_body.run(models=["resnet50"], workers=[8, 1024],
+                              bandwidths_gbit=[1.0, 25.0], image_size=32, cpu_batch=1,
+                              repeats=1, with_sanity_check=with_sanity_check, out=str(out))
     on_disk = json.loads(out.read_text())
     assert on_disk == json.loads(json.dumps(result))
     return on_disk
@@ -225,13 +225,13 @@ def test_project_scaling_writes_the_schema(tmp_path):
 
 
 def test_project_scaling_rejects_bad_input():
-    project_scaling = pytest.importorskip("launch.project_scaling")
+    scaling_body = pytest.importorskip("launch.benches.scaling")
     with pytest.raises(ValueError, match="models"):
-        project_scaling.run(models=["alexnet"], out=None)
+        scaling_body.run(models=["alexnet"], out=None)
     with pytest.raises(ValueError, match="workers"):
-        project_scaling.run(models=["resnet50"], workers=[0], out=None)
+        scaling_body.run(models=["resnet50"], workers=[0], out=None)
     with pytest.raises(ValueError, match="bandwidths_gbit"):
-        project_scaling.run(models=["resnet50"], bandwidths_gbit=[0.0], out=None)
+        scaling_body.run(models=["resnet50"], bandwidths_gbit=[0.0], out=None)
 
 
 def test_the_projection_prices_the_modes_with_the_one_cost_model():
