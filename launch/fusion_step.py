@@ -70,12 +70,7 @@ def make_train_step(strategy: tf.distribute.Strategy, model: keras.Model, method
         ctx.merge_call(apply, args=(list(zip(reduced, [v.value for v in variables])),))
         return loss
 
-    @tf.function
-    def train_step(x: Any, y: Any) -> tf.Tensor:
-        per_replica = strategy.run(replica_fn, args=(x, y))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-    return train_step
+    return runtime.summed_step(strategy, replica_fn)
 
 
 def step_time_section(strategy: tf.distribute.Strategy, model_name: str, image_size: int,

@@ -193,3 +193,16 @@ def provenance() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None
             else None, "python": sys.version.split()[0], "tensorflow": tf.__version__,
             "keras": keras.__version__, "numpy": np.__version__}
+
+
+def summed_step(strategy: Any, replica_fn: Any) -> Any:
+    """A ``tf.function`` of ``(x, y)`` that runs ``replica_fn(x, y)`` on every replica of
+    ``strategy`` and returns the sum of the replicas' results (e.g. their losses)."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(x: Any, y: Any) -> Any:
+        per_replica = strategy.run(replica_fn, args=(x, y))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return step

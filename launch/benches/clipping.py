@@ -55,12 +55,7 @@ def make_train_step(strategy: tf.distribute.Strategy, model: keras.Model,
         optimizer.apply(grads, variables)
         return loss
 
-    @tf.function
-    def train_step(x: Any, y: Any) -> tf.Tensor:
-        per_replica = strategy.run(replica_fn, args=(x, y))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-    return train_step
+    return runtime.summed_step(strategy, replica_fn)
 
 
 @dataclasses.dataclass
