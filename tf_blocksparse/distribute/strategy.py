@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from tf_blocksparse import _compat
+from tf_blocksparse.planning.link_cost import number
 
 #: The dtypes TF's collective all-reduce (``CollectiveReduceV2``) takes.
 REDUCE_DTYPES = frozenset({tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.int32,
@@ -86,18 +87,15 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def __init__(self, cluster_resolver: Any = None, communication_options: Any = None, *,
                  heartbeat_timeout_s: float | None = None):
         if heartbeat_timeout_s is not None:
-            if (isinstance(heartbeat_timeout_s, bool)
-                    or not isinstance(heartbeat_timeout_s, (int, float))
-                    or not 0 < heartbeat_timeout_s < float("inf")):
-                raise ValueError("`heartbeat_timeout_s` must be a positive number of seconds, "
-                                 f"got {heartbeat_timeout_s!r}")
+            heartbeat_timeout_s = number("heartbeat_timeout_s", heartbeat_timeout_s,
+                                         positive=True)
             if cluster_resolver is None:
                 cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
             spec = cluster_resolver.cluster_spec()
             if spec.jobs and cluster_resolver.task_type in ("chief", "worker"):
-                configured = _compat.configure_coordination(spec, heartbeat_timeout_s)
-                have = _compat.coordination_heartbeat_timeout_s()
-                if not configured and have != heartbeat_timeout_s:
+                if (not _compat.configure_coordination(spec, heartbeat_timeout_s) and
+                        (have := _compat.coordination_heartbeat_timeout_s())
+                        != heartbeat_timeout_s):
                     raise ValueError(
                         f"`heartbeat_timeout_s`={heartbeat_timeout_s}: this process's "
                         f"coordination service is configured already (heartbeat timeout "
