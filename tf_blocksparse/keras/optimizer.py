@@ -40,10 +40,7 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat, blocks
-from tf_blocksparse.auto import auto_exchange
-from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.feedback import BlockTopK, compressor_for
-from tf_blocksparse.fusion import FusionPlan
 from tf_blocksparse.keras import (
     inner_optimizer,
     local_steps,
@@ -58,9 +55,9 @@ from tf_blocksparse.keras.fit_loop import BlockSparseBase
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
     OptionsView,
-    densify,
     discover_owners,
     from_wrapper_config,
+    replica_gradients,
     resolve_arguments,
     wrapper_config,
 )
@@ -69,10 +66,10 @@ from tf_blocksparse.keras.optimizer_state import (
     create_state,
     per_replica_variable,
 )
+from tf_blocksparse.keras.optimizer_views import WrapperViews
 from tf_blocksparse.keras.step_metrics import StepMetrics
 from tf_blocksparse.keras.transforms import ClippingTransform, MomentumTransform
 from tf_blocksparse.options import AUTO, NONFINITE, CompressionOptions
-from tf_blocksparse.planning.exchange_cost import ExchangeDecision
 from tf_blocksparse.unitwise import layout_unit_axes
 
 __all__ = ["NONFINITE", "STAT_NAMES", "BlockSparseOptimizer", "discover_owners"]
@@ -81,7 +78,8 @@ STAT_NAMES = step.STAT_NAMES
 
 
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
-class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimizer):
+class BlockSparseOptimizer(OptionsView, WrapperViews, BlockSparseBase,
+                           keras.optimizers.Optimizer):
     """Wraps a Keras optimizer with block-wise top-k gradient exchange and error feedback.
 
     ``BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))`` is the default: the
@@ -192,6 +190,9 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
             args.accumulation_steps, self._exchange, lambda: self._state.stats,
             lambda: self.inner_optimizer.iterations)
         self._saving = replica_state.KerasSaving()
+        self._step = (self._local.step if self._local is not None else
+                      self._accumulation.step if self._accumulation is not None else
+                      self._exchange)
 
     @property
     def gradient_accumulation_steps(self) -> int | None:
@@ -232,21 +233,6 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
         if self._accumulation is not None:
             self._accumulation.window = state.window
         self._schedule.bind(self._distribution_strategy, self._trainable_variables)
-
-    @property
-    def clip_states(self) -> list[list[keras.Variable]]:
-        """Per variable, the state of each stateful clipping rule (per replica)."""
-        return [] if self._state is None else [list(s) for s in self._state.clip_states]
-
-    @property
-    def velocities(self) -> list[keras.Variable]:
-        """Per-variable local momentum of ``momentum_correction`` (per replica; else [])."""
-        return [] if self._state is None else list(self._state.velocities)
-
-    @property
-    def residuals(self) -> list[keras.Variable]:
-        """Per-variable residuals (per replica; a cross-replica read returns their sum)."""
-        return [] if self._state is None else list(self._state.residuals)
 
     @property
     def variables(self) -> list[keras.Variable]:
@@ -325,40 +311,32 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     # -- step ----------------------------------------------------------------------------
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
               ) -> None:
+        """One step of this replica: its gradients go through the exchange (every step, or
+        once per window of local steps or accumulated micro-steps), then the inner
+        optimizer applies the exchanged update; see the module docstring."""
         if not self.built:
-            if trainable_variables is None:
-                raise ValueError("the optimizer is not built: pass `trainable_variables` or "
-                                 "call build() first")
-            if tf.distribute.has_strategy() and tf.inside_function():
-                raise ValueError(
-                    "BlockSparseOptimizer is not built: in a custom loop under a strategy, "
-                    "call opt.build(model.trainable_variables) inside strategy.scope() before "
-                    "the first step (its per-replica state cannot be created inside a "
-                    "tf.function; model.fit builds it by itself)")
-            with keras.name_scope(self.name, caller=self):
-                self.build(list(trainable_variables))
-            self.built = True
+            self._build_in_apply(trainable_variables)
         loss_scale.check_outer_loss_scale(self.loss_scaled_by,
                                           self._distribution_strategy.num_replicas_in_sync)
         self.warn_missing_fit_callbacks()
-        tvs = list(self._trainable_variables if trainable_variables is None
-                   else trainable_variables)
-        if len(grads) != len(tvs):
-            raise ValueError(f"got {len(grads)} gradients for {len(tvs)} variables")
-        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-            raise ValueError("apply() must be called in a replica context (inside "
-                             "strategy.run or model.fit)")
-        pairs = [(densify(g, v), v) for g, v in zip(grads, tvs) if g is not None]
-        if not pairs:
-            return
-        grads, tvs = [p[0] for p in pairs], [p[1] for p in pairs]
-        idx = [self._get_variable_index(v) for v in tvs]
-        if self._local is not None:
-            self._local.step(grads, tvs, idx)
-        elif self._accumulation is not None:
-            self._accumulation.step(grads, tvs, idx)
-        else:
-            self._exchange(grads, tvs, idx)
+        grads, tvs = replica_gradients(grads, list(
+            self._trainable_variables if trainable_variables is None else trainable_variables))
+        if grads:
+            self._step(grads, tvs, [self._get_variable_index(v) for v in tvs])
+
+    def _build_in_apply(self, trainable_variables: Sequence[Any] | None) -> None:
+        if trainable_variables is None:
+            raise ValueError("the optimizer is not built: pass `trainable_variables` or "
+                             "call build() first")
+        if tf.distribute.has_strategy() and tf.inside_function():
+            raise ValueError(
+                "BlockSparseOptimizer is not built: in a custom loop under a strategy, "
+                "call opt.build(model.trainable_variables) inside strategy.scope() before "
+                "the first step (its per-replica state cannot be created inside a "
+                "tf.function; model.fit builds it by itself)")
+        with keras.name_scope(self.name, caller=self):
+            self.build(list(trainable_variables))
+        self.built = True
 
     def synchronize(self) -> None:
         """Exchanges the progress of the current window of ``sync_every`` now (a partial
@@ -381,57 +359,6 @@ class BlockSparseOptimizer(OptionsView, BlockSparseBase, keras.optimizers.Optimi
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
         return compressor_for(self.compression, [self.layouts[i] for i in variables])
-
-    # -- exchange schedule and figures (see ExchangeSchedule and StepMetrics) -----------
-    @property
-    def _auto(self) -> AutoExchangeRuntime | None:
-        """The changing exchange's runtime (:attr:`ExchangeSchedule.auto`)."""
-        return self._schedule.auto
-
-    @property
-    def fusion_plan(self) -> FusionPlan | None:
-        """See :attr:`ExchangeSchedule.fusion_plan`."""
-        return self._schedule.fusion_plan
-
-    def measure_exchange(self, compute_s: float | None = None) -> ExchangeDecision | None:
-        """See :meth:`ExchangeSchedule.measure`."""
-        return self._schedule.measure(compute_s)
-
-    @property
-    def in_dense_phase(self) -> bool:
-        """See :attr:`ExchangeSchedule.in_dense_phase`."""
-        return self._schedule.in_dense_phase
-
-    def update_dense_phase(self) -> bool:
-        """See :meth:`ExchangeSchedule.update_dense_phase`."""
-        return self._schedule.update_dense_phase()
-
-    def fit_callback_types(self) -> list[type]:
-        """See :meth:`ExchangeSchedule.fit_callback_types`; :meth:`fit_callbacks` gives
-        new instances of those a list lacks."""
-        return self._schedule.fit_callback_types()
-
-    @property
-    def exchange_chooser(self) -> auto_exchange.ExchangeChooser | None:
-        """See :attr:`ExchangeSchedule.chooser`."""
-        return self._schedule.chooser
-
-    @property
-    def exchange_decision(self) -> ExchangeDecision | None:
-        """See :attr:`ExchangeSchedule.decision`."""
-        return self._schedule.decision
-
-    def compression_seconds(self) -> float:
-        """See :meth:`ExchangeSchedule.compression_seconds`."""
-        return self._schedule.compression_seconds()
-
-    def block_sparse_metrics(self, mean: bool = False) -> dict[str, float]:
-        """See :meth:`StepMetrics.figures`."""
-        return self._metrics.figures(mean)
-
-    def reset_metric_means(self) -> None:
-        """See :meth:`StepMetrics.reset_means`."""
-        self._metrics.reset_means()
 
     # -- config --------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:

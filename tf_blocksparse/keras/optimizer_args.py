@@ -296,6 +296,30 @@ def densify(g: Any, v: Any) -> tf.Tensor:
     return tf.ensure_shape(tf.cast(tf.convert_to_tensor(g), dtype), v.shape)
 
 
+def replica_gradients(grads: Sequence[Any], variables: Sequence[Any]
+                      ) -> tuple[list[tf.Tensor], list[Any]]:
+    """The gradients ``apply`` exchanges, checked: the pairs with a gradient, densified
+    (:func:`densify`).
+
+    Args:
+      grads: One gradient (or ``None``) per variable, this replica's own.
+      variables: The variables they belong to.
+
+    Returns:
+      The dense gradients and their variables, without the ``None`` gradients' pairs.
+
+    Raises:
+      ValueError: The counts differ, or ``apply`` was called in cross-replica context.
+    """
+    if len(grads) != len(variables):
+        raise ValueError(f"got {len(grads)} gradients for {len(variables)} variables")
+    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+        raise ValueError("apply() must be called in a replica context (inside "
+                         "strategy.run or model.fit)")
+    pairs = [(densify(g, v), v) for g, v in zip(grads, variables) if g is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 class OptionsView:
     """Flat read access to ``BlockSparseOptimizer``'s parts (``compression``,
     ``momentum_policy``) under the names of its keyword arguments."""
