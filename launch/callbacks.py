@@ -128,6 +128,22 @@ def epoch_clock(timer: Callable[[], float] = time.perf_counter,
     return EpochClock()
 
 
+def slow_state_writes(seconds: float) -> None:
+    """Fault injection for tests: this process writes every per-replica state file of a
+    backup ``seconds`` late (its background writer sleeps first), as a slow disk would."""
+    import time
+
+    from tf_blocksparse.keras import replica_state
+
+    write = replica_state._write
+
+    def slow_write(*args, **kwargs):
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    replica_state._write = slow_write
+
+
 def dump_restored(path: str, index: int):
     """Callback saving this worker's local residuals once training (and restore) began."""
     import keras

@@ -73,6 +73,7 @@ class TrainConfig:
     fail_at_step: int
     fail_worker: int
     dump_restored: str | None
+    slow_state_write_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, Method):

@@ -170,6 +170,8 @@ def make_callbacks(config: TrainConfig, setup: Setup, opt: Any,
         callbacks.append(cb.dump_restored(config.dump_restored, setup.index))
     if config.fail_at_step >= 0 and setup.index == config.fail_worker:
         callbacks.append(cb.fail_at(config.fail_at_step))
+    if config.slow_state_write_s > 0 and setup.index == config.fail_worker:
+        cb.slow_state_writes(config.slow_state_write_s)
     auto = None
     if method.options.auto:  # re-decides with step times
         auto = tfbs.AutoExchangeCallback()

@@ -56,6 +56,21 @@ def test_each_replica_gets_its_own_state_back(mirrored2, tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_failed_background_write_is_raised_when_joined(mirrored2, tmp_path):
+    """A background write that fails (here: its temporary file's name is taken by a folder)
+    raises, naming the file, where the backup joins it; a later write goes through."""
+    model = _model(mirrored2)
+    model.fit(_data(), epochs=1, steps_per_epoch=1, verbose=0)
+    os.makedirs(tmp_path / "worker_0.npz.tmp")
+    writer = replica_state.save(model.optimizer, str(tmp_path), 0, 1, background=True)
+    with pytest.raises(OSError, match="worker_0.npz"):
+        writer.join()
+    writer.join()  # raised once
+    os.rmdir(tmp_path / "worker_0.npz.tmp")
+    replica_state.save(model.optimizer, str(tmp_path), 0, 1, background=True).join()
+    assert replica_state.restore(model.optimizer, str(tmp_path), 0, 1)
+
+
 def test_another_replica_count_gets_the_sum_over_n_with_a_warning(mirrored2, tmp_path):
     model = _model(mirrored2)
     model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)

@@ -109,7 +109,7 @@ def test_help_and_flag_errors_import_no_tensorflow():
 def test_help_leaves_out_the_testing_flags_helpfull_lists_them():
     short = _help_probe("--help").stdout
     full = _help_probe("--helpfull").stdout
-    for name in ("--fail_at_step", "--fail_worker", "--dump_restored"):
+    for name in ("--fail_at_step", "--fail_worker", "--dump_restored", "--slow_state_write_s"):
         assert name not in short, name
         assert name in full, name
     fv = _flag_values("--fail_at_step=3", "--fail_worker=0", "--dump_restored=/tmp/x")
@@ -287,7 +287,7 @@ def test_kill_and_resume_is_exact_and_backups_read_no_replica_state(tmp_path, wh
     with h5py.File(backup / "latest.weights.h5", "r") as h5:
         opt_vars = len(h5["optimizer"]["vars"])
     assert opt_vars == 4  # iterations and learning rate of the wrapper and of the inner SGD
-    rc = run_local_cluster([*args, f"--model_dir={broken}",
+    rc = run_local_cluster([*args, f"--model_dir={broken}", "--slow_state_write_s=2",
                             f"--dump_restored={tmp_path}/restored"], 2, env=ENV, timeout_s=300)
     assert rc == 0
     m = json.loads((broken / "metrics.json").read_text())

@@ -10,7 +10,9 @@ Keras' callback makes every worker write the same files.  Here:
   (:mod:`tf_blocksparse.keras.replica_state`): local reads, no collective, so a backup costs
   no link bandwidth however large that state is; the values are copied at the backup and the
   file written in the background while training goes on (the next backup, and the end of
-  training, wait for it);
+  training, wait for it, and raise if it failed);
+* when training ends, the chief removes the backup once every worker's last state file is
+  written (one scalar all-reduce; with ``delete_checkpoint``, Keras' default);
 * on restore every worker loads the chief's checkpoint and each replica gets exactly its own
   state back; onto a different number of replicas each gets ``sum / N`` (one warning).  If
   the process died before every worker's state file of the last backup was written, every
@@ -32,6 +34,7 @@ import keras
 import tensorflow as tf
 
 from tf_blocksparse import _compat
+from tf_blocksparse.auto import link_probe
 from tf_blocksparse.distribute.strategy import worker_role
 from tf_blocksparse.keras import replica_state
 
@@ -138,19 +141,16 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._writing is not None:
-            self._writing.join()
-            self._writing = None
+            writing, self._writing = self._writing, None
+            writing.join()  # raises if this worker's last state file could not be written
         role = self._role or worker_role(self._strategy())
+        if (self.delete_checkpoint and role.num_workers > 1
+                and block_sparse_optimizer(self.model.optimizer) is not None):
+            # every worker's last state file is written before the chief removes the
+            # folder (else its removal races with another worker's rename into it)
+            link_probe.barrier(self._strategy())
         if role.is_chief:  # the chief removes the shared directory
             super().on_train_end(logs)
-        elif self.delete_checkpoint:  # a worker still writing after that removes its own
-            path = replica_state.worker_path(self._state_dir, role.index)
-            for f in (path, f"{path}.bkp"):
-                if os.path.exists(f):
-                    os.remove(f)
-            for d in (self._state_dir, self.backup_dir):
-                if os.path.isdir(d) and not os.listdir(d):
-                    os.rmdir(d)
 
 
 def save_model(model: keras.Model, path: str) -> None:

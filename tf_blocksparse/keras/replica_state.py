@@ -82,12 +82,38 @@ def worker_path(directory: str, worker_index: int) -> str:
     return os.path.join(directory, f"worker_{worker_index}.npz")
 
 
+class StateWriter(threading.Thread):
+    """The thread writing one worker's state file in the background; :meth:`join` raises
+    what the write raised (e.g. a full disk), so a failed backup is not silently lost."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], meta: dict, directory: str,
+                 worker_index: int, num_workers: int):
+        super().__init__(daemon=True, name=f"replica-state-{worker_index}")
+        self._args = (arrays, meta, directory, worker_index, num_workers)
+        self.path = worker_path(directory, worker_index)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            _write(*self._args)
+        except BaseException as e:  # noqa: BLE001 -- handed to the joining thread
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for the write; raises ``OSError`` naming the file if it failed."""
+        super().join(timeout)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise OSError(f"writing the per-replica state file {self.path} failed: "
+                          f"{error!r}") from error
+
+
 class MissingState(ValueError):
     """No complete set of per-replica state files was saved at the restored step."""
 
 
 def save(optimizer: Any, directory: str, worker_index: int, num_workers: int,
-         background: bool = False) -> threading.Thread | None:
+         background: bool = False) -> StateWriter | None:
     """Writes this worker's replicas' state of ``optimizer`` (local reads only).
 
     The values are copied when called; with ``background`` the file is written by a thread
@@ -101,7 +127,8 @@ def save(optimizer: Any, directory: str, worker_index: int, num_workers: int,
       background: Write the file in a thread.
 
     Returns:
-      The writing thread with ``background``, else ``None`` (the file is written).
+      The writing thread with ``background`` (its ``join`` raises what the write raised),
+      else ``None`` (the file is written).
     """
     variables = state_variables(optimizer)
     arrays: dict[str, np.ndarray] = {}
@@ -120,9 +147,7 @@ def save(optimizer: Any, directory: str, worker_index: int, num_workers: int,
     if not background:
         _write(arrays, meta, directory, worker_index, num_workers)
         return None
-    thread = threading.Thread(target=_write, args=(arrays, meta, directory, worker_index,
-                                                   num_workers), daemon=True,
-                              name=f"replica-state-{worker_index}")
+    thread = StateWriter(arrays, meta, directory, worker_index, num_workers)
     thread.start()
     return thread
 
