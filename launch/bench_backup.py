@@ -13,7 +13,7 @@ Prints one JSON object and writes ``OUT/backup.json``: per method ``backup_s_per
 ``backup_s_ratio_vs_dense``.
 
     python -m launch.bench_backup [--model=vgg_fc] [--bandwidth_mbit=100]
-        [--methods=dense,block_shared] [--epochs=3] [--steps_per_epoch=15]
+        [--methods=dense,block_shared,block_default] [--epochs=5] [--steps_per_epoch=10]
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ def define_flags() -> None:
     """The script's flags."""
     flags.DEFINE_enum("model", "vgg_fc", train_flags.MODELS, "Model (launch.train --model).")
     flags.DEFINE_float("bandwidth_mbit", 100.0, "Link rate of every worker.", lower_bound=0.1)
-    flags.DEFINE_list("methods", ["dense", "block_shared"], "Methods (dense first).")
+    flags.DEFINE_list("methods", ["dense", "block_shared", "block_default"],
+                      "Methods (dense first).")
     flags.register_validator(
         "methods", lambda m: experiments.known_methods(m, list(experiments.METHODS)),
         f"--methods must be a non-empty list of {sorted(experiments.METHODS)}")
     flags.DEFINE_integer("num_workers", 4, "Worker processes.", lower_bound=1)
-    flags.DEFINE_integer("epochs", 3, "Epochs (one backup after each).", lower_bound=2)
-    flags.DEFINE_integer("steps_per_epoch", 15, "Training steps per epoch.", lower_bound=1)
+    flags.DEFINE_integer("epochs", 5, "Epochs (one backup after each).", lower_bound=2)
+    flags.DEFINE_integer("steps_per_epoch", 10, "Training steps per epoch.", lower_bound=1)
     flags.DEFINE_integer("batch_size", 128, "Global batch size.", lower_bound=1)
     flags.DEFINE_float("density", 0.05, "Fraction of blocks the sparse methods keep.")
     flags.DEFINE_float("lr", 0.01, "Learning rate.")

@@ -1,6 +1,9 @@
-"""One worker of the 2-process MultiWorkerMirroredStrategy test (reads TF_CONFIG).
+"""One worker of the 2-process MultiWorkerMirroredStrategy tests (reads TF_CONFIG).
 
-Usage: python tests/mwms_worker.py OUT_DIR EXCHANGE [DENSE_BELOW]
+Usage: python tests/mwms_worker.py OUT_DIR SCENARIO [SCENARIO ...], a scenario being
+EXCHANGE or EXCHANGE:DENSE_BELOW.  One strategy serves every scenario (one model each, in
+turn), so several tests share one launch; a scenario writes ``weights_<task>.npz`` and
+``history_<task>.json`` into ``OUT_DIR/<EXCHANGE>-<DENSE_BELOW>``.
 """
 
 import json
@@ -16,8 +19,22 @@ import tensorflow as tf  # noqa: E402
 import tf_blocksparse as tfbs  # noqa: E402
 
 
-def main(out_dir: str, exchange: str, dense_below: int = 0) -> None:
+def scenario_dir(out_dir: str, exchange: str, dense_below: int = 0) -> str:
+    """Where a scenario's files go."""
+    return os.path.join(out_dir, f"{exchange}-{dense_below}")
+
+
+def main(out_dir: str, scenarios: list[str]) -> None:
     strategy = tfbs.MultiWorkerMirroredStrategy()
+    for scenario in scenarios:
+        exchange, _, dense_below = scenario.partition(":")
+        run(strategy, scenario_dir(out_dir, exchange, int(dense_below or 0)), exchange,
+            int(dense_below or 0))
+
+
+def run(strategy: tf.distribute.Strategy, out_dir: str, exchange: str, dense_below: int
+        ) -> None:
+    os.makedirs(out_dir, exist_ok=True)
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 8, 8, 1)).astype("float32")
@@ -56,4 +73,4 @@ def main(out_dir: str, exchange: str, dense_below: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+    main(sys.argv[1], sys.argv[2:])

@@ -259,10 +259,11 @@ def test_two_worker_mwms_over_shaped_network(tmp_path):
                            bandwidth_mbit=100)
     text = out.getvalue()
     assert rc == 0, text[-5000:]
-    w0, w1 = (np.load(tmp_path / f"weights_{i}.npz") for i in range(2))
+    run = tmp_path / "shared-0"
+    w0, w1 = (np.load(run / f"weights_{i}.npz") for i in range(2))
     for key in w0.files:
         assert np.array_equal(w0[key], w1[key]), key
-    assert json.loads((tmp_path / "history_0.json").read_text())["replicas"] == 2
+    assert json.loads((run / "history_0.json").read_text())["replicas"] == 2
     traffic = json.loads(re.search(r"network traffic \(eth0 bytes per worker\): (.*)",
                                    text).group(1))
     assert all(t["tx_bytes"] > 0 and t["rx_bytes"] > 0 for t in traffic), traffic
