@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 from absl import flags
 
@@ -41,13 +42,15 @@ def define_flags() -> None:
     flags.DEFINE_string("out", "benchmarks/results/local_steps.json", "Output file.")
 
 
-def summary_rows(convergence: dict, wall: dict | list[dict] | None) -> list[dict]:
+def summary_rows(convergence: dict, walls: Sequence[dict] = ()) -> list[dict]:
     """One row per model x rate x method of :data:`REPORT_METHODS`, for the models with a
-    local-step run (rate ``None``: no wall-clock timing of that model).  ``wall``: one
-    ``launch.bench_wall_clock`` document or several (a later one's row of a model, rate and
-    method wins)."""
+    local-step run (rate ``None``: no wall-clock timing of that model).  ``walls``: the
+    ``launch.bench_wall_clock`` documents, in order (a later one's row of a model, rate and
+    method wins); none for no timing."""
+    if isinstance(walls, dict):
+        raise TypeError("`walls` must be a sequence of bench_wall_clock documents, "
+                        "not one document")
     runs = [r for r in convergence["runs"] if r["method"] in REPORT_METHODS]
-    walls = wall if isinstance(wall, list) else [wall] if wall else []
     wall_rows = {(w["model"], w["bandwidth_mbit"], w["method"]): w
                  for doc in walls for w in doc.get("summary", [])}
     rates_of: dict[str, list] = {}

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from launch import local_steps_report
 
 
@@ -23,7 +25,7 @@ def test_rows_join_accuracy_bytes_and_wall_clock_per_rate():
          "reached": 2},
         {"model": "m", "bandwidth_mbit": 10.0, "method": "dense",
          "wall_speedup_vs_dense": None}]}
-    rows = local_steps_report.summary_rows(convergence, wall)
+    rows = local_steps_report.summary_rows(convergence, [wall])
     assert [(r["bandwidth_mbit"], r["method"]) for r in rows] == [
         (100.0, "dense"), (100.0, "local_block"), (10.0, "dense"), (10.0, "local_block")]
     block = rows[1]
@@ -31,7 +33,7 @@ def test_rows_join_accuracy_bytes_and_wall_clock_per_rate():
     assert block["final_accuracy"]["mean"] == 0.9 and block["final_accuracy"]["n"] == 2
     assert block["byte_reduction_vs_dense"] == 500.0
     assert block["wall_speedup_vs_dense"] == speed and rows[3]["wall_speedup_vs_dense"] is None
-    untimed = local_steps_report.summary_rows(convergence, None)
+    untimed = local_steps_report.summary_rows(convergence)
     assert [r["bandwidth_mbit"] for r in untimed] == [None, None]
     # several timing files: their rates join, a later file's row of the same key wins
     later = {"summary": [{**wall["summary"][0], "wall_speedup_vs_dense": None},
@@ -42,6 +44,8 @@ def test_rows_join_accuracy_bytes_and_wall_clock_per_rate():
         (100.0, "dense"), (100.0, "local_block"), (10.0, "dense"), (10.0, "local_block"),
         (30.0, "dense"), (30.0, "local_block")]
     assert both[1]["wall_speedup_vs_dense"] is None and both[5]["wall_speedup_vs_dense"] == speed
+    with pytest.raises(TypeError, match="walls"):
+        local_steps_report.summary_rows(convergence, wall)
 
 
 def _file(path, epochs, runs):
