@@ -71,6 +71,17 @@ def test_a_failed_background_write_is_raised_when_joined(mirrored2, tmp_path):
     assert replica_state.restore(model.optimizer, str(tmp_path), 0, 1)
 
 
+def test_a_failed_last_write_is_raised_when_training_ends(mirrored2, tmp_path):
+    """The backup's last state file cannot be written: ``fit`` raises, naming it, once the
+    backup is finished with (the chief still removes the folder)."""
+    model, backup = _model(mirrored2), tmp_path / "backup"
+    os.makedirs(backup / "replica_state" / "worker_0.npz.tmp")
+    with pytest.raises(OSError, match="worker_0.npz"):
+        model.fit(_data(), epochs=1, steps_per_epoch=2, verbose=0,
+                  callbacks=[BackupAndRestore(str(backup))])
+    assert not backup.exists()
+
+
 def test_another_replica_count_gets_the_sum_over_n_with_a_warning(mirrored2, tmp_path):
     model = _model(mirrored2)
     model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)

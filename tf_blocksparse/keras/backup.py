@@ -140,9 +140,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             super()._save_model()
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        failed = None
         if self._writing is not None:
             writing, self._writing = self._writing, None
-            writing.join()  # raises if this worker's last state file could not be written
+            try:
+                writing.join()
+            except OSError as e:  # raised below, once the other workers are not left waiting
+                failed = e
         role = self._role or worker_role(self._strategy())
         if (self.delete_checkpoint and role.num_workers > 1
                 and block_sparse_optimizer(self.model.optimizer) is not None):
@@ -151,6 +155,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             link_probe.barrier(self._strategy())
         if role.is_chief:  # the chief removes the shared directory
             super().on_train_end(logs)
+        if failed is not None:
+            raise failed
 
 
 def save_model(model: keras.Model, path: str) -> None:
