@@ -1,6 +1,9 @@
-"""Test set-up: two logical CPU devices so MirroredStrategy has two real replicas."""
+"""Test set-up: two logical CPU devices so MirroredStrategy has two real replicas, and one
+2-process MultiWorkerMirroredStrategy launch that the cluster tests share."""
 
+import fcntl
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -25,3 +28,39 @@ def mirrored2() -> tf.distribute.MirroredStrategy:
     """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
+
+
+#: The scenarios of ``tests/mwms_worker.py`` that ``mwms_runs`` runs, in this order (the
+#: mixed-precision one last: it sets a global policy, restored after it).
+MWMS_SCENARIOS = ("allgather:0", "shared:100", "auto", "dtypes", "accumulation",
+                  "mixed_precision")
+
+
+@pytest.fixture(scope="session")
+def mwms_runs(tmp_path_factory, request):
+    """The output folder of one 2-worker launch of ``tests/mwms_worker.py`` that ran every
+    scenario of :data:`MWMS_SCENARIOS` (a subfolder each).
+
+    Starting TensorFlow and the cluster is most of a scenario's time, so the tests of
+    several files share the launch: the first test process of the session to ask runs it
+    (its output goes to that test's log), the others wait for it under a file lock.
+    """
+    from launch.local_cluster import run_local_cluster
+
+    base = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):  # pytest-xdist: the session's shared folder
+        base = base.parent
+    out = base / "mwms_runs"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(base / "mwms_runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "rc").exists():
+            out.mkdir(exist_ok=True)
+            cmd = [sys.executable, os.path.join(root, "tests", "mwms_worker.py"), str(out),
+                   *MWMS_SCENARIOS]
+            rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": root}, timeout_s=600)
+            (out / "rc").write_text(str(rc))
+    rc = int((out / "rc").read_text())
+    assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs in the log of " \
+                    "the test that ran it; 124: it hung)"
+    return out

@@ -76,7 +76,11 @@ def _fit(strategy) -> dict:
 
 
 def main(out_dir: str) -> None:
-    strategy = tfbs.MultiWorkerMirroredStrategy()
+    run(tfbs.MultiWorkerMirroredStrategy(), out_dir)
+
+
+def run(strategy: tf.distribute.Strategy, out_dir: str) -> None:
+    """The test's work under ``strategy``."""
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     record = {"accumulated": _train(strategy, task, 2, _grads),
               "large_batch": _train(strategy, task, 1, _mean), "fit": _fit(strategy)}

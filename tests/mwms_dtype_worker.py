@@ -60,8 +60,16 @@ def _values(strategy: tf.distribute.Strategy, task: int) -> dict:
     return out
 
 
+#: The coordination heartbeat timeout the strategy of this test is made with.
+HEARTBEAT_TIMEOUT_S = 123.0
+
+
 def main(out_dir: str) -> None:
-    strategy = tfbs.MultiWorkerMirroredStrategy(heartbeat_timeout_s=123.0)
+    run(tfbs.MultiWorkerMirroredStrategy(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S), out_dir)
+
+
+def run(strategy: tf.distribute.Strategy, out_dir: str) -> None:
+    """The test's work under ``strategy`` (made with :data:`HEARTBEAT_TIMEOUT_S`)."""
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     x, y = _examples()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)

@@ -56,9 +56,22 @@ class Poison(keras.callbacks.Callback):
 
 
 def main(out_dir: str) -> None:
-    strategy = tfbs.MultiWorkerMirroredStrategy()
-    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    run(tfbs.MultiWorkerMirroredStrategy(), out_dir)
+
+
+def run(strategy: tf.distribute.Strategy, out_dir: str) -> None:
+    """The test's work under ``strategy``, with ``mixed_float16`` as the global policy
+    meanwhile (the previous one is restored)."""
+    previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        _run(strategy, out_dir)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def _run(strategy: tf.distribute.Strategy, out_dir: str) -> None:
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16 * BATCHES, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")

@@ -1,9 +1,11 @@
 """One worker of the 2-process MultiWorkerMirroredStrategy tests (reads TF_CONFIG).
 
 Usage: python tests/mwms_worker.py OUT_DIR SCENARIO [SCENARIO ...], a scenario being
-EXCHANGE or EXCHANGE:DENSE_BELOW.  One strategy serves every scenario (one model each, in
-turn), so several tests share one launch; a scenario writes ``weights_<task>.npz`` and
-``history_<task>.json`` into ``OUT_DIR/<EXCHANGE>-<DENSE_BELOW>``.
+EXCHANGE or EXCHANGE:DENSE_BELOW (a fit with that exchange: ``weights_<task>.npz`` and
+``history_<task>.json`` in ``OUT_DIR/<EXCHANGE>-<DENSE_BELOW>``) or the name of another
+worker script's test in :data:`OTHER_SCENARIOS` (its files in ``OUT_DIR/<name>``).  One
+strategy serves every scenario (in turn), so the tests share one launch (``tests/conftest.py``
+``mwms_runs``); it is made with the dtype test's heartbeat timeout.
 """
 
 import json
@@ -17,6 +19,16 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_blocksparse as tfbs  # noqa: E402
+from tests import (  # noqa: E402
+    mwms_accumulation_worker,
+    mwms_dtype_worker,
+    mwms_mixed_precision_worker,
+)
+
+#: Scenarios run by the other worker scripts' ``run(strategy, out_dir)``.
+OTHER_SCENARIOS = {"dtypes": mwms_dtype_worker.run,
+                   "accumulation": mwms_accumulation_worker.run,
+                   "mixed_precision": mwms_mixed_precision_worker.run}
 
 
 def scenario_dir(out_dir: str, exchange: str, dense_below: int = 0) -> str:
@@ -25,8 +37,13 @@ def scenario_dir(out_dir: str, exchange: str, dense_below: int = 0) -> str:
 
 
 def main(out_dir: str, scenarios: list[str]) -> None:
-    strategy = tfbs.MultiWorkerMirroredStrategy()
+    strategy = tfbs.MultiWorkerMirroredStrategy(
+        heartbeat_timeout_s=mwms_dtype_worker.HEARTBEAT_TIMEOUT_S)
     for scenario in scenarios:
+        if scenario in OTHER_SCENARIOS:
+            os.makedirs(os.path.join(out_dir, scenario), exist_ok=True)
+            OTHER_SCENARIOS[scenario](strategy, os.path.join(out_dir, scenario))
+            continue
         exchange, _, dense_below = scenario.partition(":")
         run(strategy, scenario_dir(out_dir, exchange, int(dense_below or 0)), exchange,
             int(dense_below or 0))

@@ -156,20 +156,12 @@ def test_one_micro_step_per_exchange_is_the_plain_wrapper():
     assert "gradient_accumulation_steps" not in opt.get_config()
 
 
-def test_two_processes_accumulate_as_a_larger_batch(tmp_path):
+def test_two_processes_accumulate_as_a_larger_batch(mwms_runs):
     """Under MultiWorkerMirroredStrategy the window's condition holds the collectives
     itself (no merge call); both workers agree and match the larger batch bit for bit."""
     import json
-    import os
-    import sys
 
-    from launch.local_cluster import run_local_cluster
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "tests", "mwms_accumulation_worker.py"),
-           str(tmp_path)]
-    rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": root}, timeout_s=240)
-    assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs above)"
+    tmp_path = mwms_runs / "accumulation"  # tests/mwms_accumulation_worker.py
     records = [json.loads((tmp_path / f"accumulation_{i}.json").read_text()) for i in range(2)]
     for record in records:
         acc, big = record["accumulated"], record["large_batch"]

@@ -4,8 +4,6 @@ together; Keras' own class around the wrapper is refused with several replicas."
 
 import json
 import os
-import sys
-import time
 
 import keras
 import numpy as np
@@ -13,23 +11,16 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
-from launch.local_cluster import run_local_cluster
 from tests import mwms_mixed_precision_worker as worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_overflow_on_one_worker_skips_the_step_on_both(tmp_path):
+def test_overflow_on_one_worker_skips_the_step_on_both(mwms_runs):
     """mixed_float16 on a 2-process cluster: worker 1's gradients are inf at one batch.  Both
-    workers finish, skip that step (iterations stand still, the loss scale halves) and end
-    with the same weights."""
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "mwms_mixed_precision_worker.py"),
-           str(tmp_path)]
-    start = time.monotonic()
-    # ~15 s on an idle 2-core machine; the limit only has to tell a hang from a busy machine
-    rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": ROOT}, timeout_s=240)
-    assert rc == 0, f"the 2-worker cluster exited with {rc} after " \
-                    f"{time.monotonic() - start:.0f} s (124: it hung; worker logs above)"
+    workers finish (a hang would end the shared launch with 124), skip that step
+    (iterations stand still, the loss scale halves) and end with the same weights."""
+    tmp_path = mwms_runs / "mixed_precision"  # tests/mwms_mixed_precision_worker.py
     records = [json.loads((tmp_path / f"mixed_{i}.json").read_text()) for i in range(2)]
     k = worker.POISONED_BATCH
     expected = list(range(1, k + 1)) + list(range(k, worker.BATCHES))

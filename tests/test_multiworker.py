@@ -1,39 +1,22 @@
-"""Real 2-process MultiWorkerMirroredStrategy model.fit on localhost."""
+"""Real 2-process MultiWorkerMirroredStrategy model.fit on localhost (the scenarios of
+``tests/mwms_worker.py``, one launch for the session: ``mwms_runs`` in conftest)."""
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
-from launch.local_cluster import run_local_cluster
 from tf_blocksparse.options import EXCHANGES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-#: The scenarios of the tests below, run in turn by one launch of two workers (one strategy
-#: per process; starting TensorFlow and the cluster is most of a scenario's time).
-SCENARIOS = ("allgather:0", "shared:100", "auto")
-
-
-@pytest.fixture(scope="module")
-def cluster_runs(tmp_path_factory):
-    """The output folder of one 2-worker launch that ran every scenario of SCENARIOS."""
-    out = tmp_path_factory.mktemp("mwms")
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "mwms_worker.py"), str(out),
-           *SCENARIOS]
-    rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": ROOT}, timeout_s=400)
-    assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs above)"
-    return out
-
-
 # Both modes and both ways of treating small variables, across processes (every pairing of
 # them is compared with the NumPy references in one process).
 @pytest.mark.parametrize("exchange,dense_below", [("allgather", 0), ("shared", 100)])
-def test_two_process_fit_trains_and_stays_in_sync(cluster_runs, exchange, dense_below):
-    tmp_path = cluster_runs / f"{exchange}-{dense_below}"
+def test_two_process_fit_trains_and_stays_in_sync(mwms_runs, exchange, dense_below):
+    tmp_path = mwms_runs / f"{exchange}-{dense_below}"
     w0, w1 = (np.load(tmp_path / f"weights_{i}.npz") for i in range(2))
     for key in w0.files:
         assert np.array_equal(w0[key], w1[key]), key
@@ -53,11 +36,11 @@ def test_two_process_fit_trains_and_stays_in_sync(cluster_runs, exchange, dense_
     assert h0["metrics"]["dense_bytes"] == 4 * (72 + 8 + 576 + 2)
 
 
-def test_two_process_auto_exchange_decides_the_same_everywhere(cluster_runs):
+def test_two_process_auto_exchange_decides_the_same_everywhere(mwms_runs):
     """exchange="auto" under MWMS: the build-time probe and two re-decisions run collectives
     on both workers, which take the same decisions and stay in sync, also through forced
     switches to sparse and back to dense (the state moves with collectives)."""
-    tmp_path = cluster_runs / "auto-0"
+    tmp_path = mwms_runs / "auto-0"
     w0, w1 = (np.load(tmp_path / f"weights_{i}.npz") for i in range(2))
     for key in w0.files:
         assert np.array_equal(w0[key], w1[key]), key

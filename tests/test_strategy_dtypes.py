@@ -4,13 +4,11 @@ labels in ``model.fit`` (a real 2-process cluster on localhost), exact reduce an
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from launch.local_cluster import run_local_cluster
 from tf_blocksparse.distribute import strategy as strategy_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,14 +30,12 @@ def test_wire_dtype(dtype, supported, wire):
     assert strategy_lib.wire_dtype(dtype, supported) == wire
 
 
-def test_uint8_labels_fit_and_narrow_dtypes_reduce_exactly(tmp_path):
+def test_uint8_labels_fit_and_narrow_dtypes_reduce_exactly(mwms_runs):
     """Both workers fit on uint8 labels (Keras reduces the first batch for its symbolic
     build) and agree, with a longer coordination heartbeat timeout than TF's.  Every dtype
     comes back with the numbers of int32 (integers, bool) or float32: as itself, but a MEAN
     of integers as float64, as int32's."""
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "mwms_dtype_worker.py"), str(tmp_path)]
-    rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": ROOT}, timeout_s=240)
-    assert rc == 0, f"the 2-worker cluster exited with {rc} (worker logs above)"
+    tmp_path = mwms_runs / "dtypes"  # tests/mwms_dtype_worker.py
     records = [json.loads((tmp_path / f"dtypes_{i}.json").read_text()) for i in range(2)]
     assert records[0]["weights_sum"] == records[1]["weights_sum"]
     # the strategy ran under the coordination service configured with its heartbeat timeout
