@@ -29,7 +29,6 @@ def mirrored2() -> tf.distribute.MirroredStrategy:
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
-
 #: The scenarios of ``tests/mwms_worker.py`` that ``mwms_runs`` runs, in this order (the
 #: mixed-precision one last: it sets a global policy, restored after it).
 MWMS_SCENARIOS = ("allgather:0", "shared:100", "auto", "dtypes", "accumulation",
