@@ -41,12 +41,13 @@ def main(out_dir: str, scenarios: list[str]) -> None:
         heartbeat_timeout_s=mwms_dtype_worker.HEARTBEAT_TIMEOUT_S)
     for scenario in scenarios:
         if scenario in OTHER_SCENARIOS:
-            os.makedirs(os.path.join(out_dir, scenario), exist_ok=True)
-            OTHER_SCENARIOS[scenario](strategy, os.path.join(out_dir, scenario))
-            continue
-        exchange, _, dense_below = scenario.partition(":")
-        run(strategy, scenario_dir(out_dir, exchange, int(dense_below or 0)), exchange,
-            int(dense_below or 0))
+            folder = os.path.join(out_dir, scenario)
+            os.makedirs(folder, exist_ok=True)
+            OTHER_SCENARIOS[scenario](strategy, folder)
+        else:
+            exchange, _, below = scenario.partition(":")
+            run(strategy, scenario_dir(out_dir, exchange, int(below or 0)), exchange,
+                int(below or 0))
 
 
 def run(strategy: tf.distribute.Strategy, out_dir: str, exchange: str, dense_below: int

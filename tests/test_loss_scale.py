@@ -3,7 +3,6 @@ step on one replica or worker is skipped on every one, which all lower their los
 together; Keras' own class around the wrapper is refused with several replicas."""
 
 import json
-import os
 
 import keras
 import numpy as np
@@ -12,8 +11,6 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tests import mwms_mixed_precision_worker as worker
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_overflow_on_one_worker_skips_the_step_on_both(mwms_runs):

@@ -2,14 +2,11 @@
 ``tests/mwms_worker.py``, one launch for the session: ``mwms_runs`` in conftest)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 
 from tf_blocksparse.options import EXCHANGES
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Both modes and both ways of treating small variables, across processes (every pairing of

@@ -3,15 +3,12 @@ labels in ``model.fit`` (a real 2-process cluster on localhost), exact reduce an
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tf_blocksparse.distribute import strategy as strategy_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("dtype,supported,wire", [
