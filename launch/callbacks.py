@@ -128,20 +128,18 @@ def epoch_clock(timer: Callable[[], float] = time.perf_counter,
     return EpochClock()
 
 
-def slow_state_writes(seconds: float) -> None:
-    """Fault injection for tests: this process writes every per-replica state file of a
-    backup ``seconds`` late (its background writer sleeps first), as a slow disk would."""
+def slow_state_writes(seconds: float):
+    """Fault injection for tests: a ``BackupAndRestore(write_state=...)`` that writes every
+    per-replica state file of a backup ``seconds`` late (as a slow disk would)."""
     import time
 
     from tf_blocksparse.keras import replica_state
 
-    write = replica_state._write
-
-    def slow_write(*args, **kwargs):
+    def slow_write(*args):
         time.sleep(seconds)
-        return write(*args, **kwargs)
+        replica_state.write_file(*args)
 
-    replica_state._write = slow_write
+    return slow_write
 
 
 def dump_restored(path: str, index: int):

@@ -161,8 +161,10 @@ def make_callbacks(config: TrainConfig, setup: Setup, opt: Any,
     callbacks = [tfbs.BlockSparseMetrics(log_dir=logs if config.model_dir else None)]
     backup = None
     if backup_dir(config):  # timed: the backup's seconds per epoch go into the record
-        backup = cb.timed(tfbs.BackupAndRestore(backup_dir(config),
-                                                save_freq=config.save_freq or "epoch"))
+        slow = config.slow_state_write_s > 0 and setup.index == config.fail_worker
+        backup = cb.timed(tfbs.BackupAndRestore(
+            backup_dir(config), save_freq=config.save_freq or "epoch",
+            write_state=cb.slow_state_writes(config.slow_state_write_s) if slow else None))
         callbacks.append(backup)
         if setup.chief:
             callbacks.append(keras.callbacks.TensorBoard(logs, update_freq="epoch"))
@@ -170,8 +172,6 @@ def make_callbacks(config: TrainConfig, setup: Setup, opt: Any,
         callbacks.append(cb.dump_restored(config.dump_restored, setup.index))
     if config.fail_at_step >= 0 and setup.index == config.fail_worker:
         callbacks.append(cb.fail_at(config.fail_at_step))
-    if config.slow_state_write_s > 0 and setup.index == config.fail_worker:
-        cb.slow_state_writes(config.slow_state_write_s)
     auto = None
     if method.options.auto:  # re-decides with step times
         auto = tfbs.AutoExchangeCallback()

@@ -82,6 +82,25 @@ def test_a_failed_last_write_is_raised_when_training_ends(mirrored2, tmp_path):
     assert not backup.exists()
 
 
+def test_the_state_file_is_written_by_the_given_writer(mirrored2, tmp_path):
+    """``BackupAndRestore(write_state=...)`` writes every backup's state file through it (here
+    one that records and then writes); anything else than a function is refused up front."""
+    calls = []
+
+    def write(arrays, meta, directory, worker_index, num_workers):
+        calls.append((meta["iterations"], worker_index, num_workers))
+        replica_state.write_file(arrays, meta, directory, worker_index, num_workers)
+
+    model, backup = _model(mirrored2), tmp_path / "backup"
+    model.fit(_data(), epochs=2, steps_per_epoch=2, verbose=0,
+              callbacks=[BackupAndRestore(str(backup), write_state=write,
+                                          delete_checkpoint=False)])
+    assert calls == [(2, 0, 1), (4, 0, 1)]
+    assert (backup / "replica_state" / "worker_0.npz").exists()
+    with pytest.raises(TypeError, match="write_state"):
+        BackupAndRestore(str(backup), write_state="fast")
+
+
 def test_another_replica_count_gets_the_sum_over_n_with_a_warning(mirrored2, tmp_path):
     model = _model(mirrored2)
     model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)

@@ -74,17 +74,32 @@ def initial_epoch(model: keras.Model) -> int:
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
-    """Keras ``BackupAndRestore`` for block-sparse training on several workers (same
+    """Keras ``BackupAndRestore`` for block-sparse training on several workers (Keras'
     arguments; ``double_checkpoint`` defaults to ``True``).
 
     Only the chief writes the model checkpoint; each worker saves its replicas' compressor
     state locally beside it (see the module docstring).
+
+    Args:
+      backup_dir: The backup folder, shared by the workers.
+      save_freq: ``"epoch"`` or a number of steps between backups.
+      double_checkpoint: Keep the backup before the last one, to fall back to when the last
+        is torn.
+      delete_checkpoint: Remove the folder when training ends.
+      write_state: Writes this worker's state file in the background (the arguments of
+        :func:`~tf_blocksparse.keras.replica_state.write_file`, the default), e.g. to copy
+        it to durable storage after writing; what it raises is raised at the next backup or
+        when training ends.
     """
 
     def __init__(self, backup_dir: str, save_freq: str | int = "epoch",
-                 double_checkpoint: bool = True, delete_checkpoint: bool = True):
+                 double_checkpoint: bool = True, delete_checkpoint: bool = True,
+                 write_state: replica_state.WriteFile | None = None):
         super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint,
                          delete_checkpoint=delete_checkpoint)
+        if write_state is not None and not callable(write_state):
+            raise TypeError(f"`write_state` must be callable, got {write_state!r}")
+        self._write_state = write_state
         self._role = None
         self._writing = None  # the thread writing this worker's last state file
 
@@ -129,7 +144,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             self._writing.join()
         if opt is not None:  # the values now; the file in the background (see restore)
             self._writing = replica_state.save(opt, self._state_dir, role.index,
-                                               role.num_workers, background=True)
+                                               role.num_workers, background=True,
+                                               write=self._write_state)
         if not role.is_chief:  # the model checkpoint is the chief's alone
             return
         os.makedirs(self.backup_dir, exist_ok=True)

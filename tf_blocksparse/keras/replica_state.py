@@ -29,12 +29,16 @@ import json
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from tf_blocksparse import _compat
+
+#: A function writing one worker's state file: ``(arrays, meta, directory, worker_index,
+#: num_workers)``, as :func:`write_file`.
+WriteFile = Callable[[dict, dict, str, int, int], None]
 
 _BACKUP_SUFFIX = ".bkp"
 
@@ -83,19 +87,21 @@ def worker_path(directory: str, worker_index: int) -> str:
 
 
 class StateWriter(threading.Thread):
-    """The thread writing one worker's state file in the background; :meth:`join` raises
-    what the write raised (e.g. a full disk), so a failed backup is not silently lost."""
+    """The thread writing one worker's state file in the background with ``write`` (the
+    arguments of :func:`write_file`); :meth:`join` raises what the write raised (e.g. a full
+    disk), so a failed backup is not silently lost."""
 
     def __init__(self, arrays: dict[str, np.ndarray], meta: dict, directory: str,
-                 worker_index: int, num_workers: int):
+                 worker_index: int, num_workers: int, write: WriteFile | None = None):
         super().__init__(daemon=True, name=f"replica-state-{worker_index}")
         self._args = (arrays, meta, directory, worker_index, num_workers)
+        self._write = write or write_file
         self.path = worker_path(directory, worker_index)
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            _write(*self._args)
+            self._write(*self._args)
         except BaseException as e:  # noqa: BLE001 -- handed to the joining thread
             self.error = e
 
@@ -113,7 +119,7 @@ class MissingState(ValueError):
 
 
 def save(optimizer: Any, directory: str, worker_index: int, num_workers: int,
-         background: bool = False) -> StateWriter | None:
+         background: bool = False, write: WriteFile | None = None) -> StateWriter | None:
     """Writes this worker's replicas' state of ``optimizer`` (local reads only).
 
     The values are copied when called; with ``background`` the file is written by a thread
@@ -125,6 +131,8 @@ def save(optimizer: Any, directory: str, worker_index: int, num_workers: int,
       worker_index: This worker's index in the cluster.
       num_workers: Workers in the cluster.
       background: Write the file in a thread.
+      write: Writes the file (default :func:`write_file`): a function of its arguments,
+        e.g. one that calls :func:`write_file` and then copies the file elsewhere.
 
     Returns:
       The writing thread with ``background`` (its ``join`` raises what the write raised),
@@ -145,15 +153,25 @@ def save(optimizer: Any, directory: str, worker_index: int, num_workers: int,
             "aggregations": [_aggregation(v) for v in variables]}
     os.makedirs(directory, exist_ok=True)
     if not background:
-        _write(arrays, meta, directory, worker_index, num_workers)
+        (write or write_file)(arrays, meta, directory, worker_index, num_workers)
         return None
-    thread = StateWriter(arrays, meta, directory, worker_index, num_workers)
+    thread = StateWriter(arrays, meta, directory, worker_index, num_workers, write)
     thread.start()
     return thread
 
 
-def _write(arrays: dict[str, np.ndarray], meta: dict, directory: str, worker_index: int,
-           num_workers: int) -> None:
+def write_file(arrays: dict[str, np.ndarray], meta: dict, directory: str, worker_index: int,
+               num_workers: int) -> None:
+    """Writes worker ``worker_index``'s state file in ``directory`` atomically (a temporary
+    file renamed over it; the file it replaces is kept as its ``.bkp``).
+
+    Args:
+      arrays: The replicas' state values by key (``s<variable>_r<replica>``).
+      meta: What :func:`restore` checks (cluster size, replicas, step, names, shapes).
+      directory: The workers' shared state folder.
+      worker_index: This worker's index.
+      num_workers: Workers in the cluster (worker 0 removes files of larger clusters).
+    """
     path = worker_path(directory, worker_index)
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as fh:  # a file object: no .npz appended to the name
