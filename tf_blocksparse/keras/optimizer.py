@@ -13,25 +13,14 @@ The wrapper is composed of parts, each with its own config: *what* is exchanged 
 :class:`~tf_blocksparse.keras.momentum.MomentumCorrection` policy, and the optional clipping
 rules of :mod:`tf_blocksparse.clipping`.  The inner optimizer's own all-reduce is switched off
 (the wrapper's exchange replaces it); its Keras options (``clipnorm``, ``weight_decay``, EMA)
-act on the exchanged update, not per replica.
-
-Non-finite gradients (``nonfinite="skip"``, the default): if any replica's accumulated
-gradient holds an inf or NaN, every replica skips the step: weights, inner optimizer state,
-``iterations`` and residuals stay exactly as they were; ``skipped_steps`` counts it.
-``nonfinite="apply"`` applies whatever arrives (for debugging).
-
-Mixed precision: wrap this optimizer in :class:`~tf_blocksparse.keras.loss_scale.LossScaleOptimizer`
-(``tfbs.LossScaleOptimizer``, outside; ``model.compile`` keeps it): its overflow check is
-:meth:`BlockSparseOptimizer.agreed_finite`, so a step that overflows on any replica is skipped
-on every one, which all lower their scale.  Keras' own ``LossScaleOptimizer`` (which
-``model.compile`` puts around the optimizer under ``mixed_float16``) checks each replica's
-gradients alone: with several replicas it is refused at the first step, naming this one.  A
-loss-scale optimizer *inside* is rejected because residuals would mix loss scales.
+act on the exchanged update, not per replica.  If any replica's gradient holds an inf or NaN,
+every replica skips the step (``nonfinite="skip"``, the default; ``skipped_steps`` counts
+it).  Mixed precision: wrap this optimizer in ``tfbs.LossScaleOptimizer``, whose overflow
+check is :meth:`BlockSparseOptimizer.agreed_finite` (docs/optimizer.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +50,7 @@ from tf_blocksparse.keras.optimizer_args import (
     resolve_arguments,
     wrapper_config,
 )
+from tf_blocksparse.keras.optimizer_hooks import WrapperHooks
 from tf_blocksparse.keras.optimizer_state import (
     WrapperState,
     create_state,
@@ -78,7 +68,7 @@ STAT_NAMES = step.STAT_NAMES
 
 
 @keras.saving.register_keras_serializable(package="tf_blocksparse")
-class BlockSparseOptimizer(OptionsView, WrapperViews, BlockSparseBase,
+class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseBase,
                            keras.optimizers.Optimizer):
     """Wraps a Keras optimizer with block-wise top-k gradient exchange and error feedback.
 
@@ -194,17 +184,6 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, BlockSparseBase,
                       self._accumulation.step if self._accumulation is not None else
                       self._exchange)
 
-    @property
-    def gradient_accumulation_steps(self) -> int | None:
-        """Micro-steps accumulated locally per exchange (``None``: one, every step)."""
-        every = getattr(self, "accumulation_steps", 1)  # unset while Keras' __init__ runs
-        return None if every == 1 else every
-
-    @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, value: int | None) -> None:
-        if value:  # Keras' constructor sets None; the wrapper's own is the constructor's
-            raise AttributeError("gradient_accumulation_steps is set by the constructor")
-
     # -- state ---------------------------------------------------------------------------
     @_compat.no_automatic_dependency_tracking
     def build(self, var_list: Sequence[keras.Variable]) -> None:
@@ -240,38 +219,6 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, BlockSparseBase,
         return self._variables + self.inner_optimizer.variables + outer
 
     @property
-    def local_variables(self) -> list[keras.Variable]:
-        """Mirrored variables whose replicas' copies differ between synchronisations with
-        ``sync_every`` (else []): the inner optimizer's state and the trained weights.
-        Backups save every replica's copy per worker, as the per-replica state, so a run
-        backed up inside a window resumes exactly."""
-        if self._local is None or not self.built:
-            return []
-        return self._local.local_variables()
-
-    # -- saving --------------------------------------------------------------------------
-    def replica_state_apart(self) -> contextlib.AbstractContextManager[None]:
-        """Within it, Keras saving leaves out the per-replica state (residuals, velocities,
-        clipping state) and loading expects it left out: ``BackupAndRestore`` saves that
-        state per worker instead (:mod:`tf_blocksparse.keras.replica_state`), since a
-        cross-replica read of it is an all-reduce.  Outside it (``model.save``), the state is
-        saved as its sum over replicas and a load gives every replica ``sum / N``."""
-        return self._saving.apart()
-
-    def save_own_variables(self, store: Any) -> None:
-        """Saves the state with no collective, so any worker may save alone (``model.save``
-        on the chief only, as Horovod users do): per-replica state is saved as its sum over
-        replicas, exact on one worker and estimated from this worker's replicas on several
-        (:func:`~tf_blocksparse.keras.replica_state.cluster_value`)."""
-        self._saving.save(store, self.variables,
-                          self._distribution_strategy.num_replicas_in_sync)
-
-    def load_own_variables(self, store: Any) -> None:
-        """Loads a full save (``model.save``: per-replica state as sums) or, within
-        :meth:`replica_state_apart`, one without the per-replica state."""
-        self._saving.load(store, self.variables, self.name)
-
-    @property
     def learning_rate(self) -> Any:
         return self.inner_optimizer.learning_rate
 
@@ -282,12 +229,6 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, BlockSparseBase,
     @property
     def iterations(self) -> Any:
         return self.inner_optimizer.iterations
-
-    def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
-        """Called by ``model.fit`` when training ends: local steps are synchronised first
-        (:meth:`synchronize`), so the trained model holds the same weights everywhere."""
-        self.synchronize()
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "loss_scale_factor" and "_saving" in self.__dict__:
@@ -337,24 +278,6 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, BlockSparseBase,
         with keras.name_scope(self.name, caller=self):
             self.build(list(trainable_variables))
         self.built = True
-
-    def synchronize(self) -> None:
-        """Exchanges the progress of the current window of ``sync_every`` now (a partial
-        window like a full one), so every replica holds the same weights: call it on every
-        worker, eagerly in cross-replica context, before evaluating or saving in a custom
-        loop (``model.fit`` does with its ``LocalStepsCallback``, see
-        :func:`~tf_blocksparse.keras.fit_loop.fit_callbacks`, and when it ends).  Nothing
-        happens without ``sync_every``, before the optimizer is built, or when the window is
-        empty."""
-        if self._local is not None and self.built:
-            self._local.synchronize()
-
-    def restart_window(self) -> None:
-        """Takes the model's current weights as the last synchronised ones (the anchors),
-        when the window is empty (eagerly, cross-replica context): weights loaded after the
-        optimizer was built are then trained from, not overwritten at the next exchange."""
-        if self._local is not None and self.built:
-            self._local.restart_window()
 
     def _compressor(self, variables: Sequence[int]) -> BlockTopK:
         """The compressor of ``compression`` over the variables with indices ``variables``."""
