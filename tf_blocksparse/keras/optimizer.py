@@ -44,13 +44,12 @@ from tf_blocksparse.keras.fit_loop import BlockSparseBase
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.keras.optimizer_args import (
     OptionsView,
-    discover_owners,
     from_wrapper_config,
-    replica_gradients,
     resolve_arguments,
     wrapper_config,
 )
 from tf_blocksparse.keras.optimizer_hooks import WrapperHooks
+from tf_blocksparse.keras.optimizer_inputs import discover_owners, replica_gradients
 from tf_blocksparse.keras.optimizer_state import (
     WrapperState,
     create_state,
