@@ -1,6 +1,7 @@
 """One worker of the multi-process exact-evaluation tests (reads TF_CONFIG).
 
-Usage: python tests/eval_worker.py OUT_DIR
+Usage: python tests/eval_worker.py OUT_DIR (3 workers); with 2 workers it runs as the
+``evaluation`` scenario of ``tests/mwms_worker.py`` (:func:`run`).
 
 Builds a small CNN (seeded, so every worker and the test build the same weights), evaluates
 203 examples with batch 64 (sizes that are not multiples of the batch or of the workers) and
@@ -67,8 +68,8 @@ def _keras_replicated_evaluate(model: keras.Model) -> dict:
     return model.evaluate(ds, verbose=0, return_dict=True)
 
 
-def main(out_dir: str) -> None:
-    strategy = tfbs.MultiWorkerMirroredStrategy()
+def run(strategy: tf.distribute.Strategy, out_dir: str) -> None:
+    """Evaluates both models under ``strategy`` and writes this worker's figures."""
     task = int(json.loads(os.environ["TF_CONFIG"])["task"]["index"])
     with strategy.scope():
         cnn, const = build_cnn(), build_constant()
@@ -84,4 +85,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run(tfbs.MultiWorkerMirroredStrategy(), sys.argv[1])

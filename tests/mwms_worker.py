@@ -20,6 +20,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_blocksparse as tfbs  # noqa: E402
 from tests import (  # noqa: E402
+    eval_worker,
     mwms_accumulation_worker,
     mwms_dtype_worker,
     mwms_mixed_precision_worker,
@@ -28,6 +29,7 @@ from tests import (  # noqa: E402
 #: Scenarios run by the other worker scripts' ``run(strategy, out_dir)``.
 OTHER_SCENARIOS = {"dtypes": mwms_dtype_worker.run,
                    "accumulation": mwms_accumulation_worker.run,
+                   "evaluation": eval_worker.run,
                    "mixed_precision": mwms_mixed_precision_worker.run}
 
 

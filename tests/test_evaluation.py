@@ -112,10 +112,15 @@ def test_callback_writes_exact_figures_into_history(mirrored2):
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_multi_process_equals_single_process_evaluate(tmp_path, workers):
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "eval_worker.py"), str(tmp_path)]
-    rc = run_local_cluster(cmd, workers, env={"PYTHONPATH": ROOT}, timeout_s=240)
-    assert rc == 0, f"the {workers}-worker cluster exited with {rc}"
+def test_multi_process_equals_single_process_evaluate(tmp_path, workers, request):
+    """Exact evaluation across 2 (the shared launch ``mwms_runs``) and 3 worker processes
+    equals single-process evaluation of the same weights."""
+    if workers == 2:
+        tmp_path = request.getfixturevalue("mwms_runs") / "evaluation"
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "eval_worker.py"), str(tmp_path)]
+        rc = run_local_cluster(cmd, workers, env={"PYTHONPATH": ROOT}, timeout_s=240)
+        assert rc == 0, f"the {workers}-worker cluster exited with {rc}"
     results = [json.loads((tmp_path / f"eval_{i}.json").read_text()) for i in range(workers)]
     assert all(r == results[0] for r in results), "workers disagree"
     assert results[0]["replicas"] == workers
