@@ -32,7 +32,7 @@ def mirrored2() -> tf.distribute.MirroredStrategy:
 #: The scenarios of ``tests/mwms_worker.py`` that ``mwms_runs`` runs, in this order (the
 #: mixed-precision one last: it sets a global policy, restored after it).
 MWMS_SCENARIOS = ("allgather:0", "shared:100", "auto", "dtypes", "accumulation",
-                  "evaluation", "mixed_precision")
+                  "evaluation", "batch_count", "mixed_precision")
 
 
 @pytest.fixture(scope="session")

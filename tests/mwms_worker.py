@@ -20,6 +20,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_blocksparse as tfbs  # noqa: E402
 from tests import (  # noqa: E402
+    batch_count_worker,
     eval_worker,
     mwms_accumulation_worker,
     mwms_dtype_worker,
@@ -30,6 +31,7 @@ from tests import (  # noqa: E402
 OTHER_SCENARIOS = {"dtypes": mwms_dtype_worker.run,
                    "accumulation": mwms_accumulation_worker.run,
                    "evaluation": eval_worker.run,
+                   "batch_count": batch_count_worker.run,
                    "mixed_precision": mwms_mixed_precision_worker.run}
 
 
