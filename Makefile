@@ -30,15 +30,10 @@ $(STAMP): pyproject.toml
 # The fused CPU kernels (tf_blocksparse/kernels/blocksparse_ops.cc, g++ and TensorFlow's
 # headers).  Never fails the make: without them the library warns once and uses its
 # pure-TensorFlow path.
-# The build imports TensorFlow (5 s); an up-to-date library is recognised without it (the
-# library's name holds the installed TensorFlow's major.minor version).
-KERNEL_SRC = tf_blocksparse/kernels/blocksparse_ops.cc
+# Run by path, the build answers "up to date" without importing TensorFlow (5 s).
 kernels: venv
-	@lib=tf_blocksparse/kernels/_blocksparse_ops-tf$$($(PY) -c "import importlib.metadata as m; \
-		print('.'.join(m.version('tensorflow').split('.')[:2]))" 2>/dev/null).so; \
-	if [ -f "$$lib" ] && [ "$$lib" -nt $(KERNEL_SRC) ]; then echo "kernels: $$lib is up to date"; \
-	else $(PY) -m tf_blocksparse.kernels.build || \
-		echo "kernels: NOTE: not built; the pure-TensorFlow path will be used"; fi
+	@$(PY) tf_blocksparse/kernels/build.py || \
+		echo "kernels: NOTE: not built; the pure-TensorFlow path will be used"
 
 # Debian's Fashion-MNIST IDX files; optional (the loaders fall back to sklearn digits).
 data:

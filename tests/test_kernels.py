@@ -367,3 +367,31 @@ def test_build_module_reports_a_missing_compiler():
                 "sys.exit(build.main(['--force']))", CXX="no-such-compiler-xyz")
     assert proc.returncode == 1
     assert "not built" in proc.stderr and "no-such-compiler-xyz" in proc.stderr
+
+
+def test_library_name_and_freshness_follow_the_installed_tensorflow(tmp_path):
+    from tf_blocksparse.kernels import library
+
+    assert kernels.LIBRARY == library.library_path()  # metadata and tf.__version__ agree
+    assert library.library_path("2.19.1").name == "_blocksparse_ops-tf2.19.so"
+    lib = tmp_path / "ops.so"
+    assert not library.up_to_date(lib)
+    lib.write_bytes(b"")
+    source = library.SOURCE.stat().st_mtime
+    os.utime(lib, (source - 10, source - 10))
+    assert not library.up_to_date(lib)
+    os.utime(lib, (source, source))
+    assert library.up_to_date(lib)
+
+
+@pytest.mark.skipif(not kernels.LIBRARY.exists() or not kernels.library.up_to_date(
+    kernels.LIBRARY), reason="the kernels' library is not built or out of date")
+def test_build_by_path_knows_an_up_to_date_library_without_importing_tensorflow():
+    script = Path(build.__file__)
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "up to date" in proc.stdout
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "library" in imported and "tensorflow" not in imported, sorted(imported)

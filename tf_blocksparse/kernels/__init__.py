@@ -32,6 +32,7 @@ from types import ModuleType
 import tensorflow as tf
 
 from tf_blocksparse.blocks import BlockLayout
+from tf_blocksparse.kernels.library import library_path
 
 __all__ = ["ENV", "LIBRARY", "accumulate_score", "block_scores", "enabled", "fusable",
            "load", "path_name", "register", "reset", "take_blocks", "tf_path"]
@@ -40,8 +41,7 @@ __all__ = ["ENV", "LIBRARY", "accumulate_score", "block_scores", "enabled", "fus
 ENV = "TF_BLOCKSPARSE_KERNELS"
 #: The built library, next to its source; one per TensorFlow minor version (its ABI), so
 #: environments with different TensorFlow versions can share a checkout.
-LIBRARY = pathlib.Path(__file__).with_name(
-    "_blocksparse_ops-tf{}.so".format(".".join(tf.__version__.split(".")[:2])))
+LIBRARY = library_path(tf.__version__)
 BUILD_HINT = "python -m tf_blocksparse.kernels.build (or `make kernels`)"
 _DTYPES = (tf.float32, tf.float64)
 _OPS = ("BlockAccumulateScore", "BlockScores", "TakeBlocks")

@@ -1,10 +1,13 @@
 """Builds the fused CPU kernels: ``python -m tf_blocksparse.kernels.build [--force]``.
 
+``python tf_blocksparse/kernels/build.py`` (by path) does the same, and when the library is
+up to date it answers without importing TensorFlow (the package's ``__init__`` does).
+
 Compiles ``blocksparse_ops.cc`` with ``g++`` (or ``$CXX``) against the installed
 TensorFlow's headers and library (``tf.sysconfig``) into ``_blocksparse_ops-tf<major.minor>.so``
 next to it (one per TensorFlow version).
 Plain ``-O3`` (no ``-march=native``), so the library runs on any x86-64 / arm64 machine of
-the same platform.  Skips the build when the library is newer than the source (``--force``
+the same platform.  Skips the build when the library is not older than the source (``--force``
 rebuilds).  Exits 0 on success and 1, with the reason on stderr, on failure; the library
 then falls back to its pure-TensorFlow path.
 """
@@ -18,7 +21,11 @@ import subprocess
 import sys
 import tempfile
 
-SOURCE = pathlib.Path(__file__).with_name("blocksparse_ops.cc")
+if __package__:
+    from tf_blocksparse.kernels.library import SOURCE, library_path, up_to_date
+else:  # run by path: the package's __init__, which imports TensorFlow, stays unloaded
+    from library import SOURCE, library_path, up_to_date  # type: ignore[no-redef]
+
 FAIL = ("tf_blocksparse: the fused CPU kernels were not built ({}); the pure-TensorFlow path "
         "will be used (slower).")
 
@@ -41,10 +48,8 @@ def build(output: pathlib.Path | None = None, force: bool = False) -> pathlib.Pa
     Raises:
       RuntimeError: No compiler, or the compilation failed (its output in the message).
     """
-    from tf_blocksparse.kernels import LIBRARY
-
-    output = pathlib.Path(output or LIBRARY)
-    if not force and output.exists() and output.stat().st_mtime >= SOURCE.stat().st_mtime:
+    output = pathlib.Path(output or library_path())
+    if not force and up_to_date(output):
         return output
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
@@ -72,6 +77,9 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m tf_blocksparse.kernels.build [--force] (got {unknown})",
               file=sys.stderr)
         return 2
+    if not force and up_to_date(library_path()):
+        print(f"tf_blocksparse: fused CPU kernels up to date in {library_path()}")
+        return 0
     try:
         path = build(force=force)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
