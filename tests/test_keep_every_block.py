@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tf_blocksparse import blocks
-from tf_blocksparse.exchange import dense_nbytes, group_cost, selection_nbytes
+from tf_blocksparse.exchange_bytes import dense_nbytes, group_cost, selection_nbytes
 from tf_blocksparse.feedback import BlockTopK
 
 

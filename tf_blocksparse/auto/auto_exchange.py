@@ -40,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_blocksparse.auto import link_probe
-from tf_blocksparse.exchange import group_cost
+from tf_blocksparse.exchange_bytes import group_cost
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras.fit_loop import OptimizerCallback
 from tf_blocksparse.planning.exchange_cost import (

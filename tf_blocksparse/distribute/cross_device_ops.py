@@ -53,7 +53,7 @@ import tensorflow as tf
 from tf_blocksparse import blocks, codec
 from tf_blocksparse.distribute.batches import GradientBatch, ModelBinding, is_gradient_batch
 from tf_blocksparse.distribute.device_exchange import exchange_on_devices, sum_on_devices
-from tf_blocksparse.exchange import selection_nbytes
+from tf_blocksparse.exchange_bytes import selection_nbytes
 from tf_blocksparse.feedback import compressor_for
 from tf_blocksparse.fusion import FusionPlan, plan_backward
 from tf_blocksparse.options import SPARSE_EXCHANGES, CompressionOptions, options_from

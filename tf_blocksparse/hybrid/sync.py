@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from tf_blocksparse import blocks
 from tf_blocksparse.distribute.device_exchange import exchange_on_devices, sum_on_devices
-from tf_blocksparse.exchange import selection_nbytes
+from tf_blocksparse.exchange_bytes import selection_nbytes
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.options import CompressionOptions
 from tf_blocksparse.runtime.devices import device_key
