@@ -167,7 +167,8 @@ def test_the_planners_are_found():
                    "hybrid", "hybrid.planner", "hybrid.memory"):
         assert f"tf_blocksparse.{module}" in PLANNERS, module
     for module in ("fusion.forward_order", "pipeline.profiler", "pipeline.trainer",
-                   "pipeline.stages", "hybrid.split", "hybrid.sync", "hybrid.trainer"):
+                   "pipeline.stages", "hybrid.split", "hybrid.sync", "hybrid.trainer",
+                   "hybrid.inspection"):
         assert f"tf_blocksparse.{module}" in RUNTIMES, module
 
 
