@@ -268,3 +268,34 @@ def test_two_worker_mwms_over_shaped_network(tmp_path):
                                    text).group(1))
     assert all(t["tx_bytes"] > 0 and t["rx_bytes"] > 0 for t in traffic), traffic
     assert _existing(_prefix_of(text)) == []
+
+
+def test_shaping_commands_give_each_direction_its_rate_and_delay():
+    """No root needed: the ``tc`` command lines the cluster runs (HTB rate, burst of 1 ms at
+    line rate but at least 64 KiB, netem under the rate class, per-pair filters)."""
+    from launch.cluster import shaping
+    from launch.cluster.namespaces import NETEM_LIMIT
+
+    assert shaping.link_commands("tc", "ns", "eth0", None, 0.0) == []
+    cmds = shaping.link_commands("tc", "ns", "eth0", 1000, 2.5)
+    assert [c[3] for c in cmds] == ["qdisc", "class", "qdisc"]
+    rate = cmds[1]
+    assert rate[rate.index("rate") + 1] == "1000000000bit"
+    assert rate[rate.index("burst") + 1] == "125000"  # 1 ms at 1 Gbit/s
+    assert cmds[2][-4:] == ["delay", "2.5ms", "limit", str(NETEM_LIMIT)]
+    assert "parent" in cmds[2] and "1:1" in cmds[2]
+    slow = shaping.link_commands("tc", "ns", "p0", 10, 0.0)
+    assert len(slow) == 2 and slow[1][slow[1].index("burst") + 1] == "65536"
+    only_delay = shaping.link_commands("tc", "ns", "eth0", None, 1.0)
+    assert len(only_delay) == 1 and "root" in only_delay[0] and "netem" in only_delay[0]
+
+    pairs = shaping.pair_commands("tc", "w1", 1, [150, 0, 90], ["a0", "a1", "a2"], 0.0)
+    assert pairs[0][-2:] == ["default", "0"]  # unclassified traffic is not shaped
+    classes = [c for c in pairs if c[3] == "class"]
+    filters = [c for c in pairs if c[3] == "filter"]
+    assert [c[c.index("rate") + 1] for c in classes] == ["150000000bit", "90000000bit"]
+    assert [c[c.index("dst") + 1] for c in filters] == ["a0/32", "a2/32"]
+    assert [c[c.index("flowid") + 1] for c in filters] == [c[c.index("classid") + 1]
+                                                            for c in classes]
+    delayed = shaping.pair_commands("tc", "w1", 1, [150, 0, 90], ["a0", "a1", "a2"], 1.0)
+    assert sum("netem" in c for c in delayed) == 2

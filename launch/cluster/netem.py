@@ -55,7 +55,6 @@ import threading
 from collections.abc import Sequence
 
 from launch.cluster.namespaces import (
-    NETEM_LIMIT,
     PREFIX_RE,
     PREFIX_ROOT,
     SEQUENCE,
@@ -70,6 +69,7 @@ from launch.cluster.namespaces import (
     require_privileges,
     run_tool,
 )
+from launch.cluster.shaping import link_commands, pair_commands
 
 __all__ = ["NetemError", "NetemUnavailableError", "NetworkCluster", "cleanup_stale",
            "netem_supported", "pick_subnet", "require_privileges"]
@@ -262,52 +262,17 @@ class NetworkCluster:
         run_tool([self._ip, "-n", ns, "link", "set", "lo", "up"])
 
     def _shape(self, tc: str, ns: str, dev: str, latency_ms: float) -> None:
-        """HTB rate class (if bandwidth) with a netem leaf (if latency) on ``dev`` egress."""
-        base = [tc, "-n", ns]
-        netem = ["netem", "delay", f"{latency_ms:g}ms", "limit", str(NETEM_LIMIT)]
-        if self.bandwidth_mbit is not None:
-            rate = f"{round(self.bandwidth_mbit * 1e6)}bit"
-            # Burst: 1 ms at line rate, at least one 64 KiB GSO packet.
-            burst = str(max(65536, round(self.bandwidth_mbit * 1e6 / 8 / 1000)))
-            run_tool([*base, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
-                  "default", "1"])
-            run_tool([*base, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
-                  "rate", rate, "ceil", rate, "burst", burst, "cburst", burst,
-                  "quantum", "65536"])
-            if latency_ms > 0:
-                run_tool([*base, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-                      *netem])
-        elif latency_ms > 0:
-            run_tool([*base, "qdisc", "add", "dev", dev, "root", "handle", "1:", *netem])
+        for command in link_commands(tc, ns, dev, self.bandwidth_mbit, latency_ms):
+            run_tool(command)
 
     def _shape_pairs(self, tc: str, index: int) -> None:
-        """One HTB class per destination on worker ``index``'s ``eth0`` (per-pair rates).
-
-        Traffic to or from hosts outside the matrix is neither shaped nor delayed
-        (HTB ``default 0`` sends unclassified packets straight through).
-        """
-        base = [tc, "-n", self.namespace(index)]
         pairs = self.pair_mbit or ()
         if index >= len(pairs):
             return
-        run_tool([*base, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb",
-              "default", "0"])
-        for dst, mbit in enumerate(pairs[index]):
-            if dst == index:
-                continue
-            cls = f"1:{dst + 10:x}"
-            rate = f"{round(mbit * 1e6)}bit"
-            burst = str(max(65536, round(mbit * 1e6 / 8 / 1000)))
-            run_tool([*base, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
-                  "rate", rate, "ceil", rate, "burst", burst, "cburst", burst,
-                  "quantum", "65536"])
-            if self.latency_ms > 0:
-                run_tool([*base, "qdisc", "add", "dev", "eth0", "parent", cls, "handle",
-                      f"{dst + 10:x}:", "netem", "delay", f"{self.latency_ms:g}ms", "limit",
-                      str(NETEM_LIMIT)])
-            run_tool([*base, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip",
-                  "prio", "1", "u32", "match", "ip", "dst", f"{self.worker_address(dst)}/32",
-                  "flowid", cls])
+        addresses = [self.worker_address(j) for j in range(len(pairs[index]))]
+        for command in pair_commands(tc, self.namespace(index), index, pairs[index],
+                                     addresses, self.latency_ms):
+            run_tool(command)
 
     def close(self) -> None:
         """Removes every namespace this cluster created (idempotent, safe after a failure).
