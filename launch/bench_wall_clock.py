@@ -48,6 +48,7 @@ from absl import app, flags
 from launch import experiments, runtime, script
 from launch import flags as train_flags
 from launch.config import TrainConfig
+from launch.convergence_curves import PER_MODEL_BUDGET, epochs_to_target, load_convergence
 
 FLAGS = flags.FLAGS
 
@@ -78,14 +79,6 @@ def define_flags() -> None:
     flags.DEFINE_boolean("resume", True, "Keep the timings and checks of OUT's file with "
                          "the same set-up, those of other models, rates and methods too.")
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
-
-
-def epochs_to_target(curve: list[float], target: float) -> int | None:
-    """1-based epoch at which ``curve`` first reaches ``target`` (``None``: never)."""
-    for epoch, accuracy in enumerate(curve, start=1):
-        if accuracy >= target:
-            return epoch
-    return None
 
 
 #: The automatic exchange's curve at a rate is that of the mode it chose there: all groups
@@ -243,56 +236,6 @@ def _round_ratios(dense: dict, parts: dict) -> dict:
             experiments.spread([x / y for x, y in zip(a, b)], 3)}
 
 
-def load_curves(path: str) -> tuple[dict, dict]:
-    """``({(model, method): {seed: curve}}, budget)`` of a convergence results file."""
-    with open(path) as fh:
-        doc = json.load(fh)
-    curves: dict = {}
-    for run in doc["runs"]:
-        curves.setdefault((run["model"], run["method"]), {})[run["flags"]["seed"]] = \
-            run["history"]["val_accuracy"]
-    return curves, doc["budget"]
-
-
-#: Budget entries that differ per model (the rest must agree across the files).
-_PER_MODEL = ("epochs", "lr_by_model", "rule", "converged")
-
-
-def load_convergence(entries: list[str]) -> tuple[dict, dict, dict]:
-    """Curves and budgets of ``--convergence``: ``PATH`` for every model, ``MODEL=PATH``
-    for one model's curves (a later entry for a model replaces an earlier one).
-
-    Returns:
-      ``(curves, budgets, files)``: ``{(model, method): {seed: curve}}``,
-      ``{model: budget}`` and ``{model: path}``.
-
-    Raises:
-      ValueError: A file's shared budget (batch, schedule, dataset, ...) differs from the
-        first file's, naming ``--convergence``.
-    """
-    curves: dict = {}
-    budgets: dict = {}
-    files: dict = {}
-    shared = None
-    for entry in entries:
-        only, _, path = entry.rpartition("=")
-        file_curves, budget = load_curves(path)
-        common = {k: v for k, v in budget.items() if k not in _PER_MODEL}
-        if shared is None:
-            shared = common
-        elif common != shared:
-            raise ValueError(f"--convergence: {path}'s budget {common} differs from "
-                             f"{shared} outside {_PER_MODEL}")
-        for model in budget.get("epochs", {}):
-            if only and model != only:
-                continue
-            budgets[model], files[model] = budget, path
-            for key in [k for k in curves if k[0] == model]:
-                del curves[key]
-            curves.update({k: v for k, v in file_curves.items() if k[0] == model})
-    return curves, budgets, files
-
-
 def _train_config(method: str, model: str, budget: dict, epochs: int, steps: int,
                   seed: int, density: float | None, **fields: Any) -> TrainConfig:
     """The ``launch.train`` config of one run of ``method`` on the convergence ``budget``."""
@@ -317,7 +260,7 @@ def main(argv: list[str]) -> None:
     path = os.path.join(f.out, "time_to_accuracy.json")
     setup = {"num_workers": f.num_workers, "timing_steps": f.timing_steps,
              "timing_epochs": f.timing_epochs, "density": f.density,
-             "convergence_budget": {k: v for k, v in budget.items() if k not in _PER_MODEL}}
+             "convergence_budget": {k: v for k, v in budget.items() if k not in PER_MODEL_BUDGET}}
     if f.timing_repeats > 1:  # files of single timing runs keep their set-up
         setup["timing_repeats"] = f.timing_repeats
     old, old_checks, prev_sources = {}, {}, {}

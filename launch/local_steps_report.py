@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from launch import bench_wall_clock, experiments, script
+from launch import convergence_curves, experiments, script
 
 FLAGS = flags.FLAGS
 #: The methods the report compares, in its order.
@@ -98,7 +98,7 @@ def model_runs(entries: list[str]) -> tuple[list[dict], dict[str, dict], dict[st
     Raises:
       ValueError: The files' shared budgets differ (naming ``--convergence``).
     """
-    _, budgets, files = bench_wall_clock.load_convergence(entries)
+    _, budgets, files = convergence_curves.load_convergence(entries)
     docs: dict[str, dict] = {}
     runs = []
     for model, path in files.items():

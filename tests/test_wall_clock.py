@@ -6,13 +6,14 @@ from pathlib import Path
 import pytest
 
 from launch import bench_wall_clock as bw
+from launch import convergence_curves as cc
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_epochs_to_target_is_the_first_epoch_reaching_it():
-    assert bw.epochs_to_target([0.5, 0.7, 0.69, 0.8], 0.7) == 2
-    assert bw.epochs_to_target([0.5, 0.6], 0.7) is None
+    assert cc.epochs_to_target([0.5, 0.7, 0.69, 0.8], 0.7) == 2
+    assert cc.epochs_to_target([0.5, 0.6], 0.7) is None
 
 
 def test_epoch_parts_scale_the_training_and_keep_the_rest():
@@ -85,7 +86,7 @@ def _convergence_file(tmp_path, name: str, epochs: int, curve: list[float], **bu
 def test_a_model_may_take_its_curves_from_a_longer_budget_file(tmp_path):
     short = _convergence_file(tmp_path, "short.json", 2, [0.5, 0.8])
     long = _convergence_file(tmp_path, "long.json", 3, [0.5, 0.8, 0.9])
-    curves, budgets, files = bw.load_convergence([short, f"m={long}"])
+    curves, budgets, files = cc.load_convergence([short, f"m={long}"])
     assert curves[("m", "dense")] == {0: [0.5, 0.8, 0.9]}  # m from the longer budget
     assert curves[("n", "dense")] == {0: [0.5, 0.8]}
     assert budgets["m"]["epochs"]["m"] == 3 and budgets["n"]["epochs"]["n"] == 2
@@ -96,7 +97,7 @@ def test_files_with_another_shared_budget_are_refused(tmp_path):
     short = _convergence_file(tmp_path, "short.json", 2, [0.5, 0.8])
     other = _convergence_file(tmp_path, "other.json", 3, [0.5, 0.8, 0.9], global_batch=64)
     with pytest.raises(ValueError, match="--convergence"):
-        bw.load_convergence([short, f"m={other}"])
+        cc.load_convergence([short, f"m={other}"])
 
 
 def test_run_configs_render_the_committed_runs_flags():
@@ -104,7 +105,7 @@ def test_run_configs_render_the_committed_runs_flags():
     lines of the committed runs (flags added since then aside)."""
     doc = json.loads((ROOT / "benchmarks" / "results" / "time_to_accuracy.json").read_text())
     base = "benchmarks/results/convergence.json"
-    _, budgets, _ = bw.load_convergence(
+    _, budgets, _ = cc.load_convergence(
         [str(ROOT / base)] + [f"{model}={ROOT / entry['file']}"
                               for model, entry in doc["budget"]["convergence"].items()
                               if entry["file"] != base])
