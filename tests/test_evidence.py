@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch import bench_convergence, bench_time_to_accuracy, experiments
+from launch import bench_convergence, bench_time_to_accuracy, experiments, tta_figures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,7 @@ def test_time_to_target_and_speedup():
     assert experiments.time_to_target(dense, 0.797) == 30.0
     assert experiments.time_to_target(block, 0.797) == 4.0
     assert experiments.time_to_target(slow, 0.797) is None
-    rows = bench_time_to_accuracy.summarise([dense, block, slow], 0.003)
+    rows = tta_figures.summarise([dense, block, slow], 0.003)
     by = {r["method"]: r for r in rows}
     assert by["dense"]["speedup_vs_dense"] == 1.0
     assert by["block_allgather"]["speedup_vs_dense"] == 7.5
@@ -38,7 +38,7 @@ def test_time_to_target_and_speedup():
         assert {"model", "bandwidth_mbit", "method", "time_to_target_s", "final_accuracy",
                 "bytes_per_step", "speedup_vs_dense"} <= set(r)
     with pytest.raises(ValueError, match="dense"):
-        bench_time_to_accuracy.summarise([block], 0.003)
+        tta_figures.summarise([block], 0.003)
 
 
 def test_time_to_accuracy_over_seeds():
@@ -49,9 +49,9 @@ def test_time_to_accuracy_over_seeds():
         block_accs = [0.6, 0.798, 0.81] if block_t else [0.6, 0.7, 0.75]
         block = {**_record("block_allgather", block_accs, [2.0, block_t or 5.0, 7.0]),
                  "seed": seed}
-        rows += bench_time_to_accuracy.summarise([dense, block], 0.003)
+        rows += tta_figures.summarise([dense, block], 0.003)
     assert [r["seed"] for r in rows] == [0, 0, 1, 1, 2, 2]
-    by = {r["method"]: r for r in bench_time_to_accuracy.aggregate(rows)}
+    by = {r["method"]: r for r in tta_figures.aggregate(rows)}
     assert by["dense"]["seeds"] == [0, 1, 2] and by["dense"]["reached"] == 3
     assert by["dense"]["speedup_vs_dense"] == {"mean": 1.0, "std": 0.0, "min": 1.0,
                                                "max": 1.0, "n": 3}
@@ -61,7 +61,7 @@ def test_time_to_accuracy_over_seeds():
     assert speed["std"] == pytest.approx(1.7678, abs=1e-4)
     assert by["block_allgather"]["final_accuracy"]["n"] == 3
     with pytest.raises(ValueError, match="one seed"):
-        bench_time_to_accuracy.summarise([{**dense, "seed": 0}, {**block, "seed": 1}], 0.003)
+        tta_figures.summarise([{**dense, "seed": 0}, {**block, "seed": 1}], 0.003)
 
 
 def test_one_time_costs_and_records_derived_from_runs():
@@ -70,9 +70,9 @@ def test_one_time_costs_and_records_derived_from_runs():
     dense = _record("dense", [0.5, 0.7, 0.8], [16.0, 20.0, 24.0], payload=8000)
     auto = {**_record("block_auto", [0.5, 0.7, 0.8], [16.5, 20.5, 24.5], payload=8000),
             "auto_measure_s": 0.5}
-    once = bench_time_to_accuracy.one_time_s(auto)
+    once = tta_figures.one_time_s(auto)
     assert once == {"startup_s": 12.5, "measure_s": 0.5}  # 16.5 s - 10 steps x 0.4 s
-    assert bench_time_to_accuracy.one_time_s(dense) == {"startup_s": 12.0, "measure_s": None}
+    assert tta_figures.one_time_s(dense) == {"startup_s": 12.0, "measure_s": None}
     runs = [{**r, "seed": seed} for seed in (1, 0) for r in (dense, auto)]
     for r in runs:
         del r["flags"]  # stored runs keep no flags
@@ -83,7 +83,7 @@ def test_one_time_costs_and_records_derived_from_runs():
     assert all(r["lr"] == 0.05 for r in records)
     assert [r["momentum_masking"] for r in records[:2]] == [None, "waited"]
     assert records[1]["startup_s"] == 12.5 and records[1]["speedup_vs_dense"] == 0.98
-    summary = {r["method"]: r for r in bench_time_to_accuracy.aggregate(records)}
+    summary = {r["method"]: r for r in tta_figures.aggregate(records)}
     assert summary["block_auto"]["measure_s"]["mean"] == 0.5
     assert summary["dense"]["measure_s"] is None
 
