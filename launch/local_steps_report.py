@@ -27,7 +27,8 @@ from launch import convergence_curves, experiments, script
 
 FLAGS = flags.FLAGS
 #: The methods the report compares, in its order.
-REPORT_METHODS = ("dense", "block_default", "local_dense", "local_block")
+REPORT_METHODS = ("dense", "block_default", "local_dense", "local_block",
+                  "local_block_20pct_nesterov")
 
 
 def define_flags() -> None:
