@@ -313,13 +313,16 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
                                **env}, capture_output=True, text=True, timeout=300)
 
 
-COMPRESS = """
+PRELUDE = """
     import os, warnings, numpy as np, tensorflow as tf
     from pathlib import Path
     from tf_blocksparse import blocks, kernels
     from tf_blocksparse.feedback import BlockTopK
     lay = blocks.BlockLayout("v", (3, 3, 4, 8), blocks.RULES["output_channel"])
     g = tf.constant(np.arange(288, dtype=np.float32).reshape(lay.shape))
+"""
+#: Loads as ``{load}`` says, compresses twice, prints the library's warnings.
+COMPRESS = """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         {load}
@@ -336,18 +339,10 @@ def test_environment_variable_forces_the_tf_path_and_a_missing_library_warns_onc
     """One fresh process, two phases: with ``TF_BLOCKSPARSE_KERNELS=0`` nothing is loaded and
     nothing warns; with the variable gone, a library that is not there warns once (however
     often the path is taken) with the build command, and the TF path is used."""
-    proc = _run(COMPRESS.format(load="kernels.load()") + """
-    os.environ.pop("TF_BLOCKSPARSE_KERNELS")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        kernels.load(Path("/nonexistent/lib.so"))
-        for _ in range(2):
-            payload, state = BlockTopK([lay], k=2, dense_below=0).compress([g], [tf.zeros_like(g)])
-    assert sorted(payload.ids[0].numpy()) == [6, 7], payload.ids
-    assert kernels.path_name() == "tf"
-    print("WARNINGS", len([w for w in caught if "tf_blocksparse" in str(w.message)]))
-    print("\\n".join(str(w.message) for w in caught))
-""", TF_BLOCKSPARSE_KERNELS="0")
+    proc = _run(PRELUDE + COMPRESS.format(load="kernels.load()")
+                + '\n    os.environ.pop("TF_BLOCKSPARSE_KERNELS")\n'
+                + COMPRESS.format(load='kernels.load(Path("/nonexistent/lib.so"))'),
+                TF_BLOCKSPARSE_KERNELS="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = [line for line in proc.stdout.splitlines() if line.startswith("WARNINGS")]
     assert counts == ["WARNINGS 0", "WARNINGS 1"], proc.stdout
