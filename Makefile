@@ -8,7 +8,7 @@ STAMP = $(VENV)/.installed
 FASHION_DIR ?= /usr/share/datasets/fashion-mnist
 # Three test processes (pytest-xdist), each test file in one of them: many tests leave a core
 # idle for a while (waits on worker processes, cluster start-up), so on 2 cores three
-# processes keep both busy (measured: 9m24s with three, 10m52s with two).
+# processes keep both busy (measured: 9m24s and 10m06s with three, 10m52s with two).
 TEST_WORKERS ?= 3
 PYTEST_FLAGS = -q -x -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
