@@ -127,7 +127,7 @@ bench-full: venv data
 	cp runs/vgg_lr_warmup/convergence.json $(BENCH)/convergence_vgg_fc_lr_warmup.json
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_dense,local_block
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0 --methods=local_block_nesterov
-	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0 --methods=local_block_20pct_nesterov
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_block_20pct_nesterov
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0 \
 		--methods=local_block,local_dense,local_block_nesterov
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --out=runs/vgg_long
