@@ -95,9 +95,10 @@ def test_library_imports_match_its_requirements():
         text = path.read_text()
         # docstrings and comments can start a line with "from"/"import" too: only code counts
         code = re.sub(r'"""[\s\S]*?"""', "", text)
-        # a script run by path imports its sibling modules by their bare names
-        found |= {m for m in pattern.findall(code)
-                  if not m.startswith("_") and not (path.parent / f"{m}.py").exists()}
+        # a module that also runs as a script by path imports its siblings by their bare names
+        script = '__name__ == "__main__"' in code
+        found |= {m for m in pattern.findall(code) if not m.startswith("_")
+                  and not (script and (path.parent / f"{m}.py").exists())}
     third_party = found - stdlib - {"tf_blocksparse"}
     assert third_party <= LIBRARY_IMPORTS, sorted(third_party)
 

@@ -77,11 +77,12 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m tf_blocksparse.kernels.build [--force] (got {unknown})",
               file=sys.stderr)
         return 2
-    if not force and up_to_date(library_path()):
-        print(f"tf_blocksparse: fused CPU kernels up to date in {library_path()}")
+    path = library_path()
+    if not force and up_to_date(path):
+        print(f"tf_blocksparse: fused CPU kernels up to date in {path}")
         return 0
     try:
-        path = build(force=force)
+        build(path, force=force)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         print(FAIL.format(e), file=sys.stderr)
         return 1
