@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from typing import Any
 
 from absl import app, flags
@@ -49,6 +48,7 @@ from launch import experiments, runtime, script
 from launch import flags as train_flags
 from launch.config import TrainConfig
 from launch.convergence_curves import PER_MODEL_BUDGET, epochs_to_target, load_convergence
+from launch.wall_clock_compose import compose, curves_of, epoch_parts, median_parts, timing_order
 
 FLAGS = flags.FLAGS
 
@@ -83,159 +83,6 @@ def define_flags() -> None:
 
 #: The automatic exchange's curve at a rate is that of the mode it chose there: all groups
 #: dense -> dense's, all sparse -> the same compression always applied.
-AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_default"}}
-
-
-def curves_of(method: str, record: dict) -> str | None:
-    """Whose converged curves stand for ``method`` on the timing run ``record``: its own, or
-    for the automatic exchange those of the one mode it chose (``None``: modes mixed)."""
-    if method not in AUTO_CURVES:
-        return method
-    modes = set(record.get("auto_modes") or [])
-    if len(modes) != 1:
-        return None
-    return AUTO_CURVES[method].get(modes.pop())
-
-
-def epoch_parts(record: dict, full_steps: int) -> dict:
-    """A timing run's per-epoch costs, scaled to an epoch of ``full_steps`` steps.
-
-    Args:
-      record: ``launch.train``'s metrics record of a run with >= 2 epochs.
-      full_steps: Steps of a full epoch.
-
-    Returns:
-      ``{"step_s", "epoch_train_s", "epoch_other_s", "epoch_wall_s", "one_time_s",
-      "eval_s", "backup_s"}``: steady per-step training seconds; a full epoch's training,
-      other (evaluation, backup, waits) and total wall seconds; the one-time seconds.
-    """
-    train = record["train_s_per_epoch"]
-    wall = record["epoch_wall_s"]
-    steps = record["steps_per_epoch"]
-    steady_train = [b - a for a, b in zip(train, train[1:])]
-    steady_wall = [b - a for a, b in zip(wall, wall[1:])]
-    return _parts(step_s=statistics.fmean(steady_train) / steps,
-                  epoch_other_s=statistics.fmean(w - t for w, t in
-                                                 zip(steady_wall, steady_train)),
-                  one_time_s=wall[0] - statistics.fmean(steady_wall),
-                  eval_s=statistics.fmean(record["eval_s_per_epoch"][1:]),
-                  backup_s=statistics.fmean(record["backup_s_per_epoch"][1:]),
-                  full_steps=full_steps)
-
-
-def _parts(step_s: float, epoch_other_s: float, one_time_s: float, eval_s: float,
-           backup_s: float, full_steps: int) -> dict:
-    """The parts of :func:`epoch_parts` from the measured ones (a full epoch's training and
-    wall seconds derived), rounded as the results files keep them."""
-    train = step_s * full_steps
-    return {"step_s": round(step_s, 5), "epoch_train_s": round(train, 3),
-            "epoch_other_s": round(epoch_other_s, 3),
-            "epoch_wall_s": round(train + epoch_other_s, 3),
-            "one_time_s": round(one_time_s, 3), "eval_s": round(eval_s, 3),
-            "backup_s": round(backup_s, 3)}
-
-
-#: The measured parts of :func:`epoch_parts` (the arguments of :func:`_parts`).
-_MEASURED = ("step_s", "epoch_other_s", "one_time_s", "eval_s", "backup_s")
-
-
-def timing_order(keys: list[tuple], repeats: int) -> list[tuple]:
-    """The timing runs of ``keys`` (model, rate, method) repeated ``repeats`` times, in
-    turns: every key once, then every key again, so that a slow spell of the machine falls
-    on every method alike rather than on one method's repeats."""
-    return [key for _ in range(repeats) for key in keys]
-
-
-def median_parts(repeats: list[dict], full_steps: int) -> dict:
-    """The parts of several timing runs of one model x rate x method combined: the median
-    of each measured part (per-step training, the rest of an epoch, one-time, evaluation and
-    backup seconds), a full epoch's training and wall seconds derived from them.
-
-    Args:
-      repeats: :func:`epoch_parts` of each run (at least one).
-      full_steps: Steps of a full epoch.
-    """
-    if not repeats:
-        raise ValueError("`repeats`: no timing run to combine")
-    return _parts(**{k: statistics.median(p[k] for p in repeats) for k in _MEASURED},
-                  full_steps=full_steps)
-
-
-def compose(curves: dict, timings: dict, models: list[str], rates: list[float],
-            methods: list[str], target_drop: float) -> tuple[list[dict], list[dict], dict]:
-    """Records per model x rate x method x seed and their summary rows.
-
-    Args:
-      curves: ``{(model, method): {seed: accuracy curve}}``.
-      timings: ``{(model, rate, method): epoch_parts(...)}``.
-      models, rates, methods: What to compose: every model x rate with dense timed, and
-        its methods that are timed.
-      target_drop: Target below dense's converged mean.
-
-    Returns:
-      ``(records, summary, targets)``.
-    """
-    records, summary, targets = [], [], {}
-    for model in models:
-        if (model, "dense") not in curves:
-            print(f"{model}: no converged curves of every method yet; not composed")
-            continue
-        dense = curves[(model, "dense")]
-        target = statistics.fmean(c[-1] for c in dense.values()) - target_drop
-        targets[model] = round(target, 4)
-        for rate in [r for r in rates if (model, r, "dense") in timings]:
-            base: dict[int, dict] = {}
-            for method in [m for m in methods if (model, rate, m) in timings]:
-                parts = timings[(model, rate, method)]
-                rows = []
-                source = parts.get("curves_of", method)
-                if (model, source) not in curves:
-                    print(f"{model} {method} @ {rate:g}: no curves of {source}; not composed")
-                    continue
-                for seed, curve in sorted(curves[(model, source)].items()):
-                    n = epochs_to_target(curve, target)
-                    rec = {"model": model, "bandwidth_mbit": rate, "method": method,
-                           "seed": seed, "target": round(target, 4), "epochs_to_target": n,
-                           "final_accuracy": curve[-1],
-                           "wall_s": None if n is None else
-                           round(parts["one_time_s"] + n * parts["epoch_wall_s"], 2),
-                           "train_s": None if n is None else round(n * parts["epoch_train_s"],
-                                                                   2),
-                           "backup_s_per_epoch": parts["backup_s"],
-                           "eval_s_per_epoch": parts["eval_s"]}
-                    if method == "dense":
-                        base[seed] = rec
-                    rows.append(rec)
-                for rec in rows:
-                    ref = base.get(rec["seed"])
-                    for key, out in (("wall_s", "wall_speedup_vs_dense"),
-                                     ("train_s", "speedup_vs_dense")):
-                        ok = ref is not None and ref[key] and rec[key]
-                        rec[out] = round(ref[key] / rec[key], 3) if ok else None
-                records += rows
-                summary.append({
-                    "model": model, "bandwidth_mbit": rate, "method": method,
-                    "curves_of": source, "seeds": [r["seed"] for r in rows],
-                    **{key: experiments.spread([r[key] for r in rows], 3) for key in
-                       ("wall_s", "train_s", "wall_speedup_vs_dense", "speedup_vs_dense",
-                        "epochs_to_target")},
-                    "reached": sum(r["epochs_to_target"] is not None for r in rows),
-                    **{k: parts[k] for k in ("epoch_wall_s", "epoch_train_s", "one_time_s",
-                                             "eval_s", "backup_s")},
-                    **_round_ratios(timings[(model, rate, "dense")], parts)})
-    return records, summary, targets
-
-
-def _round_ratios(dense: dict, parts: dict) -> dict:
-    """With repeated timing runs: dense's epoch wall seconds over the method's, per round
-    of turns (each ratio from runs taken one after the other), as {mean, std, min, max, n}."""
-    a, b = dense.get("repeat_epoch_wall_s"), parts.get("repeat_epoch_wall_s")
-    if not a or not b or len(a) != len(b):
-        return {}
-    return {"epoch_wall_ratio_vs_dense_per_round":
-            experiments.spread([x / y for x, y in zip(a, b)], 3)}
-
-
 def _train_config(method: str, model: str, budget: dict, epochs: int, steps: int,
                   seed: int, density: float | None, **fields: Any) -> TrainConfig:
     """The ``launch.train`` config of one run of ``method`` on the convergence ``budget``."""

@@ -1,4 +1,5 @@
-"""The wall-clock composition of launch.bench_wall_clock, on hand-made records."""
+"""The wall-clock composition (launch.wall_clock_compose) of launch.bench_wall_clock, on
+hand-made records."""
 
 import json
 from pathlib import Path
@@ -7,6 +8,7 @@ import pytest
 
 from launch import bench_wall_clock as bw
 from launch import convergence_curves as cc
+from launch import wall_clock_compose as wc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +22,7 @@ def test_epoch_parts_scale_the_training_and_keep_the_rest():
     record = {"steps_per_epoch": 10, "train_s_per_epoch": [5.0, 7.0, 9.0],
               "epoch_wall_s": [20.0, 25.0, 30.0], "eval_s_per_epoch": [2.0, 1.0, 1.0],
               "backup_s_per_epoch": [0.5, 0.2, 0.2]}
-    parts = bw.epoch_parts(record, full_steps=100)
+    parts = wc.epoch_parts(record, full_steps=100)
     assert parts["step_s"] == pytest.approx(0.2)  # 2 s per 10-step steady epoch
     assert parts["epoch_train_s"] == pytest.approx(20.0)
     assert parts["epoch_other_s"] == pytest.approx(3.0)  # 5 s wall - 2 s training
@@ -35,7 +37,7 @@ def test_compose_gives_per_seed_speedups_against_that_seeds_dense():
     slow = {"epoch_wall_s": 10.0, "epoch_train_s": 8.0, "one_time_s": 5.0, "eval_s": 1.0,
             "backup_s": 0.5}
     fast = dict(slow, epoch_wall_s=4.0, epoch_train_s=2.0)
-    records, summary, targets = bw.compose(
+    records, summary, targets = wc.compose(
         curves, {("m", 100.0, "dense"): slow, ("m", 100.0, "block"): fast}, ["m"], [100.0],
         ["dense", "block"], 0.003)
     assert targets == {"m": pytest.approx(0.897)}
@@ -50,11 +52,11 @@ def test_compose_gives_per_seed_speedups_against_that_seeds_dense():
 
 
 def test_the_automatic_exchange_takes_the_curves_of_the_mode_it_chose():
-    assert bw.curves_of("block_default", {}) == "block_default"
-    assert bw.curves_of("block_auto_default", {"auto_modes": ["dense"]}) == "dense"
-    assert bw.curves_of("block_auto_default", {"auto_modes": ["allgather"] * 2}) == \
+    assert wc.curves_of("block_default", {}) == "block_default"
+    assert wc.curves_of("block_auto_default", {"auto_modes": ["dense"]}) == "dense"
+    assert wc.curves_of("block_auto_default", {"auto_modes": ["allgather"] * 2}) == \
         "block_default"
-    assert bw.curves_of("block_auto_default", {"auto_modes": ["dense", "allgather"]}) is None
+    assert wc.curves_of("block_auto_default", {"auto_modes": ["dense", "allgather"]}) is None
 
 
 def test_compose_takes_the_groups_that_were_timed():
@@ -65,7 +67,7 @@ def test_compose_takes_the_groups_that_were_timed():
              "backup_s": 0.5}
     timings = {("m", 30.0, "dense"): parts, ("m", 30.0, "block"): parts,
                ("m", 300.0, "dense"): parts, ("m", 1000.0, "block"): parts}
-    _, summary, _ = bw.compose(curves, timings, ["m"], [30.0, 300.0, 1000.0],
+    _, summary, _ = wc.compose(curves, timings, ["m"], [30.0, 300.0, 1000.0],
                                ["dense", "block"], 0.003)
     assert [(r["bandwidth_mbit"], r["method"]) for r in summary] == [
         (30.0, "dense"), (30.0, "block"), (300.0, "dense")]
@@ -126,8 +128,8 @@ def test_run_configs_render_the_committed_runs_flags():
 
 def test_repeated_timing_runs_take_turns():
     keys = [("m", 100.0, "dense"), ("m", 100.0, "block")]
-    assert bw.timing_order(keys, 1) == keys
-    assert bw.timing_order(keys, 3) == keys * 3  # dense, block, dense, block, ...
+    assert wc.timing_order(keys, 1) == keys
+    assert wc.timing_order(keys, 3) == keys * 3  # dense, block, dense, block, ...
 
 
 def test_repeated_timing_runs_compose_their_median_parts():
@@ -137,14 +139,14 @@ def test_repeated_timing_runs_compose_their_median_parts():
                 "epoch_wall_s": 0.0}
 
     runs = [parts(0.2, 3.0, 10.0), parts(0.5, 2.0, 30.0), parts(0.3, 4.0, 12.0)]
-    med = bw.median_parts(runs, full_steps=100)
+    med = wc.median_parts(runs, full_steps=100)
     assert med["step_s"] == 0.3 and med["epoch_other_s"] == 3.0 and med["one_time_s"] == 12.0
     assert med["epoch_train_s"] == pytest.approx(30.0)  # 0.3 s x 100 steps
     assert med["epoch_wall_s"] == pytest.approx(33.0)  # derived, not a median of its own
     assert med["eval_s"] == 1.5 and med["backup_s"] == 0.1
-    assert bw.median_parts(runs[:1], 100)["epoch_wall_s"] == pytest.approx(23.0)
+    assert wc.median_parts(runs[:1], 100)["epoch_wall_s"] == pytest.approx(23.0)
     with pytest.raises(ValueError, match="repeats"):
-        bw.median_parts([], 100)
+        wc.median_parts([], 100)
 
 
 def test_repeated_timings_report_the_per_round_ratio_to_dense():
@@ -153,12 +155,12 @@ def test_repeated_timings_report_the_per_round_ratio_to_dense():
             "backup_s": 0.5}
     dense = dict(base, repeat_epoch_wall_s=[10.0, 12.0])
     block = dict(base, epoch_wall_s=5.0, repeat_epoch_wall_s=[5.0, 4.0])
-    _, summary, _ = bw.compose(curves, {("m", 100.0, "dense"): dense,
+    _, summary, _ = wc.compose(curves, {("m", 100.0, "dense"): dense,
                                         ("m", 100.0, "block"): block}, ["m"], [100.0],
                                ["dense", "block"], 0.003)
     row = next(r for r in summary if r["method"] == "block")
     ratio = row["epoch_wall_ratio_vs_dense_per_round"]
     assert ratio["n"] == 2 and ratio["min"] == 2.0 and ratio["max"] == 3.0
-    single = bw.compose(curves, {("m", 100.0, "dense"): base, ("m", 100.0, "block"): base},
+    single = wc.compose(curves, {("m", 100.0, "dense"): base, ("m", 100.0, "block"): base},
                         ["m"], [100.0], ["dense", "block"], 0.003)[1]
     assert all("epoch_wall_ratio_vs_dense_per_round" not in r for r in single)

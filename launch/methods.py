@@ -1,0 +1,117 @@
+"""The exchange methods the benchmarks and the demo compare, by name: one table of
+:class:`~launch.method.Method` configs built from the library's options, and the method
+lists each script may run.  No TensorFlow here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from launch.method import DENSE, Method
+from tf_blocksparse.options import CompressionOptions
+
+#: A method of the table: one :class:`~launch.method.Method`, or one per density (the
+#: benchmarks' ``--density``).
+MethodSpec = Method | Callable[[float], Method]
+
+_K1 = CompressionOptions(k=1, exchange="allgather")
+_LOCAL_INT8 = CompressionOptions(density=0.05, exchange="allgather", quantize="int8")
+#: The one table of the exchange methods the scripts compare: name -> method, each built
+#: from the library's options (:func:`method_config`; :func:`method_flags` renders its
+#: ``launch.train`` flags).  Every sparse method takes the library's defaults for what it
+#: does not set; ``stated`` flags are written although at their default, as the results
+#: record them.
+METHODS: dict[str, MethodSpec] = {
+    "dense": Method(DENSE),
+    # The one-line default BlockSparseOptimizer(SGD(lr, momentum=0.9)): the automatic
+    # exchange over one fusion group (dense where compression does not pay), k=1 when sparse.
+    "block_auto_default": Method(CompressionOptions(), stated=frozenset({"exchange"})),
+    # The default compression, always applied: BlockSparseOptimizer(SGD(lr, momentum=0.9),
+    # exchange="allgather"): k=1, momentum before the exchange (DGC correction), variables
+    # under 1,024 elements sent whole (the one-line default before the automatic exchange).
+    "block_default": Method(CompressionOptions(exchange="allgather")),
+    # The default with variables of 512 to 1,023 elements compressed too (gru_nmt's
+    # embeddings, 83% of its default payload when sent whole).
+    "block_dense_below_512": Method(CompressionOptions(exchange="allgather", dense_below=512)),
+    # The default with the other maskings of the local momentum (tuning runs on gru_nmt).
+    "block_default_waited": Method(CompressionOptions(exchange="allgather"),
+                                   momentum_masking="waited"),
+    "block_default_nomask": Method(CompressionOptions(exchange="allgather"),
+                                   momentum_masking="none"),
+    # The default with DGC's density warm-up: 25%, 6.25%, 1.56% and 0.4% of the blocks in
+    # the first four epochs, then k=1.
+    "block_default_dgc_warmup": Method(CompressionOptions(exchange="allgather"),
+                                       density_warmup=(0.25, 0.0625, 0.015625, 0.004)),
+    "block_allgather": lambda density: Method(
+        CompressionOptions(density=density, exchange="allgather")),
+    "block_shared": lambda density: Method(
+        CompressionOptions(density=density, exchange="shared")),
+    # Per fusion group (256 KiB buffers) dense or block-sparse, from measured link and
+    # compression times (BlockSparseOptimizer(exchange="auto")).
+    "block_auto": lambda density: Method(CompressionOptions(density=density),
+                                         fusion_buffer_bytes=262144,
+                                         stated=frozenset({"exchange"})),
+    "block_k1": Method(_K1, stated=frozenset({"k"})),
+    # The literal configuration: k=1 on every variable, global momentum after the exchange.
+    "block_source": Method(_K1.replace(dense_below=0), global_momentum=True,
+                           stated=frozenset({"k"})),
+    # k=1 on every variable with DGC's local momentum (the default without dense_below).
+    "block_k1_dgc": Method(_K1.replace(dense_below=0), stated=frozenset({"k"})),
+    "block_k1_waited": Method(CompressionOptions(), momentum_masking="waited"),
+    "topk": lambda density: Method(
+        CompressionOptions(density=density, exchange="allgather", granularity="element"),
+        stated=frozenset({"density"})),
+    "topk_1pct": Method(
+        CompressionOptions(density=0.01, exchange="allgather", granularity="element"),
+        stated=frozenset({"density"})),
+    # Local steps (docs/local_steps.md), 32 steps per exchange, the library's default outer
+    # optimizers: DiLoCo (a dense exchange of the progress, Nesterov SGD(0.7, momentum 0.9)),
+    # or 5% of the blocks in int8 with error feedback and SGD(1.0).
+    "local_dense": Method(DENSE, sync_every=32),
+    "local_block": Method(_LOCAL_INT8, sync_every=32, outer_lr=1.0, outer_momentum=0.0),
+    # 20% of the blocks in int8 (a quarter of the bytes of 500x fewer than dense on vgg_fc).
+    "local_block_20pct": Method(_LOCAL_INT8.replace(density=0.2), sync_every=32,
+                                outer_lr=1.0, outer_momentum=0.0),
+    # 20% of the blocks in int8 under DiLoCo's Nesterov outer step (the closest block-sparse
+    # form of DiLoCo's dense exchange of the progress).
+    "local_block_20pct_nesterov": Method(_LOCAL_INT8.replace(density=0.2), sync_every=32,
+                                         outer_lr=0.7, outer_momentum=0.9),
+    # The block exchange with DiLoCo's Nesterov outer step (tried, 9.7 points below dense).
+    "local_block_nesterov": Method(_LOCAL_INT8, sync_every=32, outer_lr=0.7,
+                                   outer_momentum=0.9),
+}
+#: The methods of ``launch.demo`` under the names its table prints.
+DEMO_METHODS = {"dense": "dense", "block default": "block_auto_default",
+                "block k=1": "block_default", "block literal": "block_source"}
+#: The methods ``launch.bench_convergence`` may run, in its table's order.
+CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
+                       "block_default_waited", "block_default_nomask",
+                       "block_default_dgc_warmup", "block_allgather",
+                       "block_source", "block_k1_dgc", "block_k1_waited", "topk_1pct",
+                       "local_dense", "local_block", "local_block_20pct",
+                       "local_block_20pct_nesterov", "local_block_nesterov")
+#: The methods ``launch.bench_time_to_accuracy`` may run (dense sets the target).
+TIME_TO_ACCURACY_METHODS = ("dense", "block_allgather", "block_shared", "topk", "block_auto")
+
+
+def method_config(method: str, density: float | None = None) -> Method:
+    """The :class:`~launch.method.Method` named ``method`` (at ``density``, for the methods
+    that take one).
+
+    Raises:
+      ValueError: ``method`` unknown, or one that takes a density without one.
+    """
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {sorted(METHODS)}, got {method!r}")
+    spec = METHODS[method]
+    if isinstance(spec, Method):
+        return spec
+    if density is None:
+        raise ValueError(f"method {method!r} needs a `density`")
+    return spec(density)
+
+
+def method_flags(method: str, density: float | None = None) -> list[str]:
+    """``launch.train`` flags of ``method`` (at ``density``, for the methods that take one):
+    :meth:`Method.to_flags <launch.method.Method.to_flags>` of :func:`method_config`."""
+    return method_config(method, density).to_flags()
