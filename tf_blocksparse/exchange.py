@@ -46,11 +46,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_blocksparse.checks import check_choice
 from tf_blocksparse.collectives import ReplicaCollectives
 from tf_blocksparse.exchange_bytes import dense_nbytes
 from tf_blocksparse.exchange_sparse import ExchangeResult, allgather, shared
 from tf_blocksparse.feedback import BlockTopK
-from tf_blocksparse.options import EXCHANGES, check_choice
+from tf_blocksparse.options import EXCHANGES
 
 __all__ = ["EXCHANGES", "ExchangeResult", "run", "run_exchange"]
 

@@ -22,15 +22,8 @@ import tensorflow as tf
 
 from tf_blocksparse import kernels, selection
 from tf_blocksparse.blocks import ELEMENT, BlockLayout
-from tf_blocksparse.options import (
-    DEFAULT_DENSE_BELOW,
-    METRICS,
-    QUANTIZATIONS,
-    CompressionOptions,
-    check_choice,
-    validate_dense_below,
-    validate_k_density,
-)
+from tf_blocksparse.checks import check_choice, validate_dense_below, validate_k_density
+from tf_blocksparse.options import DEFAULT_DENSE_BELOW, METRICS, QUANTIZATIONS, CompressionOptions
 
 __all__ = ["DEFAULT_DENSE_BELOW", "BlockTopK", "ElementTopK", "Payload", "Prepared",
            "compressor_for", "take_blocks", "validate_dense_below", "validate_k_density"]

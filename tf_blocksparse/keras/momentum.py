@@ -33,8 +33,9 @@ import tensorflow as tf
 
 from tf_blocksparse import selection
 from tf_blocksparse.blocks import BlockLayout
+from tf_blocksparse.checks import check_choice
 from tf_blocksparse.keras import inner_optimizer as inner_lib
-from tf_blocksparse.options import AUTO, MASKINGS, check_choice
+from tf_blocksparse.options import AUTO, MASKINGS
 
 __all__ = ["MomentumCorrection", "mask_sent"]
 

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tf_blocksparse import _compat
 from tf_blocksparse import clipping as clipping_lib
+from tf_blocksparse.checks import check_choice, unknown_keywords_message
 from tf_blocksparse.keras import inner_optimizer, local_steps
 from tf_blocksparse.keras.momentum import MomentumCorrection
 from tf_blocksparse.options import (
@@ -25,10 +26,8 @@ from tf_blocksparse.options import (
     NONFINITE,
     OPTION_NAMES,
     CompressionOptions,
-    check_choice,
     option_view,
     options_from,
-    unknown_keywords_message,
 )
 
 #: Default of ``dense_below`` (see :data:`tf_blocksparse.options.DEFAULT_DENSE_BELOW`).
