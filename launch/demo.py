@@ -14,7 +14,7 @@ side by side.
 
 Each method is a real 2-process cluster (``launch/local_cluster.py`` running
 ``launch/train.py --strategy=multiworker``) on real data: Fashion-MNIST from Debian's
-``dataset-fashion-mnist`` (scikit-learn's digits when absent, said so), first on loopback,
+``dataset-fashion-mnist`` (the 8x8 digits of ``datasets/`` when absent, said so), first on loopback,
 then (as root: network namespaces and ``tc``) with every worker's link shaped to each rate of
 ``--links`` (``--shaped_methods`` there: dense and the one-line default, which compresses
 where that pays).  Prints a table (link, test accuracy, bytes each worker hands to the
@@ -141,7 +141,7 @@ def main(argv: list[str]) -> None:
     dataset = "fashion_mnist" if data.fashion_mnist_available() else "digits"
     if dataset == "digits":
         print("NOTE: /usr/share/datasets/fashion-mnist not found (apt-get install "
-              "dataset-fashion-mnist); using scikit-learn's digits instead")
+              "dataset-fashion-mnist); using the 8x8 digits instead")
     os.makedirs(FLAGS.out, exist_ok=True)
     links = list(FLAGS.links)
     if links and os.geteuid() != 0:

@@ -110,8 +110,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_enum("model", "cnn_small", MODELS, "Model from models/.", **fv)
     flags.DEFINE_string(
         "dataset", "fashion_mnist",
-        "fashion_mnist (Debian's IDX files under --data_dir), digits (scikit-learn, always "
-        "offline), tfds:NAME (a TFDS data set already in --tfds_data_dir), synthetic (random "
+        "fashion_mnist (Debian's IDX files under --data_dir), digits (8x8, shipped in "
+        "datasets/), tfds:NAME (a TFDS data set already in --tfds_data_dir), synthetic (random "
         "data of --synthetic_shape, for throughput) or toy_translation (for gru_nmt; chosen "
         "automatically for that model).", **fv)
     flags.DEFINE_string("data_dir", "/usr/share/datasets/fashion-mnist",

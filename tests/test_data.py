@@ -112,8 +112,34 @@ def test_load_digits_is_deterministic() -> None:
     for (xa, ya), (xb, yb) in zip(first, second, strict=True):
         np.testing.assert_array_equal(xa, xb)
         np.testing.assert_array_equal(ya, yb)
-    (x_other, _), _ = data.load_digits(seed=1)
-    assert not np.array_equal(first[0][0], x_other)
+
+
+def test_digits_split_is_stratified_and_uses_every_image_once() -> None:
+    with np.load(data.DIGITS_FILE) as f:
+        images, labels = f["images"], f["labels"]
+        train, test = f["train_index"], f["test_index"]
+    assert images.shape == (1797, 8, 8) and images.max() == 16 and labels.shape == (1797,)
+    assert sorted(np.concatenate([train, test]).tolist()) == list(range(1797))
+    # every class holds 20% of its images out, to within one image
+    for c in range(10):
+        n = int(np.sum(labels == c))
+        assert abs(int(np.sum(labels[test] == c)) - 0.2 * n) <= 1, c
+
+
+def test_digits_file_is_scikit_learns_split() -> None:
+    """Where scikit-learn is installed: the shipped file is what ``make_digits.py`` writes."""
+    pytest.importorskip("sklearn")
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    (x_train, y_train), (x_test, y_test) = data.load_digits()
+    xa, xb, ya, yb = train_test_split(bunch.images, bunch.target, test_size=0.2,
+                                      random_state=0, stratify=bunch.target)
+    np.testing.assert_array_equal(x_train[..., 0] * 16, xa)
+    np.testing.assert_array_equal(x_test[..., 0] * 16, xb)
+    np.testing.assert_array_equal(y_train, ya)
+    np.testing.assert_array_equal(y_test, yb)
 
 
 def test_load_dataset_dispatch_digits() -> None:

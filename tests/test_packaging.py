@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What the scripts, benchmarks and tests need; the library imports none of them.
-SCRIPT_ONLY = ("scikit-learn", "matplotlib", "tensorflow-datasets", "tensorboard", "absl-py")
+SCRIPT_ONLY = ("matplotlib", "tensorflow-datasets", "tensorboard", "absl-py")
 LIBRARY_IMPORTS = {"tensorflow", "keras", "numpy"}
 
 
