@@ -21,7 +21,7 @@ from absl import flags
 
 from launch import script
 from models import registry
-from tf_blocksparse import blocks
+from tf_blocksparse import block_report
 
 if TYPE_CHECKING:  # TensorFlow and Keras load in the functions: --help answers at once
     import keras
@@ -84,7 +84,7 @@ def build_model(name: str, input_shape: Sequence[int] | None = None) -> keras.Mo
     return registry.build_model(name, tuple(input_shape) if input_shape else shape, classes)
 
 
-def _kept_rows(rows: Sequence[blocks.BlockTableRow], k: int | None, density: float | None
+def _kept_rows(rows: Sequence[block_report.BlockTableRow], k: int | None, density: float | None
                ) -> list[tuple[int, int, float]]:
     """Per row: ``(kept blocks, kept values, payload fraction)``."""
     from tf_blocksparse import selection
@@ -108,7 +108,7 @@ def render(model: str = "cnn_small", input_shape: Sequence[int] | None = None,
 
         k, density = validate_k_density(k, density)
     shape = tuple(input_shape) if input_shape else registry.default_input(model)[0]
-    rows = blocks.block_table(build_model(model, shape))
+    rows = block_report.block_table(build_model(model, shape))
     kept = _kept_rows(rows, k, density) if selecting else None
     params = sum(math.prod(r.shape) for r in rows)
     total_blocks = sum(r.num_blocks for r in rows)
@@ -132,7 +132,7 @@ def render(model: str = "cnn_small", input_shape: Sequence[int] | None = None,
                           indent=2)
 
     head = f"model {model}, input shape {'x'.join(map(str, shape))}"
-    table = blocks.format_block_table(rows)
+    table = block_report.format_block_table(rows)
     if not kept:
         return f"{head}\n{table}"
     how = f"k={k}" if density is None else f"density={density:g}"

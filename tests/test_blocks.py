@@ -18,21 +18,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import reference as ref
-from tf_blocksparse import blocks
+from tf_blocksparse import block_report, blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _table(model) -> dict[str, blocks.BlockTableRow]:
+def _table(model) -> dict[str, block_report.BlockTableRow]:
     """Rows keyed by ``layer_name/var_name`` (the model's own prefix dropped)."""
-    return {"/".join(r.path.split("/")[-2:]): r for r in blocks.block_table(model)}
+    return {"/".join(r.path.split("/")[-2:]): r for r in block_report.block_table(model)}
 
 
 def _model(input_shape, *layers) -> keras.Model:
     return keras.Sequential([keras.Input(input_shape), *layers])
 
 
-def _check(row: blocks.BlockTableRow, rule: str, num_blocks: int, block_size: int,
+def _check(row: block_report.BlockTableRow, rule: str, num_blocks: int, block_size: int,
            layer_class: str | None = None) -> None:
     assert row.rule == rule, row
     assert row.num_blocks == num_blocks, row
@@ -259,7 +259,7 @@ def _dense_model() -> keras.Model:
 def test_overrides_by_name_and_by_rule():
     model = _dense_model()
     t = {"/".join(r.path.split("/")[-2:]): r
-         for r in blocks.block_table(model, overrides={r"d1/kernel$": "single",
+         for r in block_report.block_table(model, overrides={r"d1/kernel$": "single",
                                                        r"d2/kernel$": blocks.ROW})}
     _check(t["d1/kernel"], "single", 1, 24)
     assert t["d1/kernel"].layer_class is None
@@ -271,7 +271,7 @@ def test_overrides_by_name_and_by_rule():
 
 def test_override_with_unknown_rule_names_the_argument():
     with pytest.raises(ValueError, match="overrides") as err:
-        blocks.block_table(_dense_model(), overrides={"d1": "per_neuron"})
+        block_report.block_table(_dense_model(), overrides={"d1": "per_neuron"})
     assert "per_neuron" in str(err.value)
 
 
@@ -283,8 +283,8 @@ def test_format_block_table_has_rows_and_totals():
     model = _model((6, 6, 3), keras.layers.Conv2D(4, 3, name="c"),
                    keras.layers.BatchNormalization(name="bn"), keras.layers.Flatten(),
                    keras.layers.Dense(2, name="d"))
-    rows = blocks.block_table(model)
-    text = blocks.format_block_table(rows)
+    rows = block_report.block_table(model)
+    text = block_report.format_block_table(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["path", "layer", "rule", "shape", "blocks", "block_size"]
     assert len(lines) == len(rows) + 2
@@ -298,8 +298,8 @@ def test_format_block_table_has_rows_and_totals():
 
 
 def test_format_scalar_variable():
-    row = blocks.BlockTableRow("m/x/s", None, "element", (), 1, 1)
-    text = blocks.format_block_table([row])
+    row = block_report.BlockTableRow("m/x/s", None, "element", (), 1, 1)
+    text = block_report.format_block_table([row])
     assert "scalar" in text and text.splitlines()[-1] == "1 variables, 1 blocks, 1 parameters"
 
 
@@ -360,7 +360,7 @@ def _strip_layer_names(text: str) -> str:
 def test_print_blocks_cnn_small_table(print_blocks):
     text = print_blocks.render("cnn_small")
     model = print_blocks.build_model("cnn_small", (32, 32, 3))
-    table = blocks.format_block_table(blocks.block_table(model))
+    table = block_report.format_block_table(block_report.block_table(model))
     assert _strip_layer_names(text).strip().endswith(_strip_layer_names(table))
     assert text.splitlines()[0] == "model cnn_small, input shape 32x32x3"
     assert "Conv2D" in text and "Dense" in text
@@ -385,7 +385,7 @@ def test_print_blocks_cnn_small_with_k_via_flags(print_blocks):
     fv(["print_blocks", "--model=cnn_small", "--input_shape=16,16,3", "--k=2"])
     text = print_blocks.render_from_flags(fv)
     model = print_blocks.build_model("cnn_small", (16, 16, 3))
-    rows = blocks.block_table(model)
+    rows = block_report.block_table(model)
     kept = sum(min(2, r.num_blocks) for r in rows)
     kept_values = sum(min(2, r.num_blocks) * r.block_size for r in rows)
     params = sum(math.prod(r.shape) for r in rows)
@@ -398,7 +398,7 @@ def test_print_blocks_json_with_density(print_blocks):
     out = json.loads(print_blocks.render("cnn_small", density=0.25, as_json=True))
     assert out["model"] == "cnn_small" and out["input_shape"] == [32, 32, 3]
     model = print_blocks.build_model("cnn_small", (32, 32, 3))
-    rows = blocks.block_table(model)
+    rows = block_report.block_table(model)
     assert ([_strip_layer_names(v["path"]) for v in out["variables"]]
             == [_strip_layer_names(r.path) for r in rows])
     for v, r in zip(out["variables"], rows):
