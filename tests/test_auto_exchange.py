@@ -11,7 +11,8 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tf_blocksparse import blocks
-from tf_blocksparse.auto.auto_exchange import fallback_mode, remeasure_gap
+from tf_blocksparse.auto.auto_callback import remeasure_gap
+from tf_blocksparse.auto.auto_exchange import fallback_mode
 from tf_blocksparse.exchange import run_exchange
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras.momentum import mask_sent

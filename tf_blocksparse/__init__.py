@@ -34,7 +34,7 @@ from tf_blocksparse import planning as planning  # TensorFlow-free, imported eag
 #: Public name -> module that defines it.
 _EXPORTS = {
     "AutoExchange": "tf_blocksparse.planning.exchange_cost",
-    "AutoExchangeCallback": "tf_blocksparse.auto.auto_exchange",
+    "AutoExchangeCallback": "tf_blocksparse.auto.auto_callback",
     "BackupAndRestore": "tf_blocksparse.keras.backup",
     "BlockLayout": "tf_blocksparse.blocks",
     "BlockRule": "tf_blocksparse.blocks",

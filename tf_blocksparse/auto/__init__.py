@@ -7,7 +7,8 @@ which also names the modes):
 - :mod:`~tf_blocksparse.auto.link_probe`: the measurements (collectives timed on the
   running strategy, compression timed locally, figures agreed over every worker).
 - :mod:`~tf_blocksparse.auto.auto_exchange`: the controller, ``ExchangeChooser`` (measures,
-  decides, keeps every fusion group's mode) and ``AutoExchangeCallback`` (re-decides during
+  decides, keeps every fusion group's mode).
+- :mod:`~tf_blocksparse.auto.auto_callback`: ``AutoExchangeCallback`` (re-decides during
   ``model.fit``, see :mod:`tf_blocksparse.keras.fit_loop`).
 - :mod:`~tf_blocksparse.auto.auto_runtime`: what the modes change in the optimizer's step
   (the dense phase included).

@@ -15,7 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_blocksparse.auto import auto_exchange
+from tf_blocksparse.auto import auto_callback, auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.fusion import FusionPlan
@@ -164,7 +164,7 @@ class ExchangeSchedule:
 
     def fit_callback_types(self) -> list[type]:
         """The callback classes ``model.fit`` needs for the owner: an
-        :class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback` with
+        :class:`~tf_blocksparse.auto.auto_callback.AutoExchangeCallback` with
         ``exchange="auto"`` and a choice (two or more candidates), a
         :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback` with ``dense_steps``,
         a :class:`~tf_blocksparse.keras.local_steps.LocalStepsCallback` with ``sync_every``.
@@ -176,7 +176,7 @@ class ExchangeSchedule:
         owner = self._owner
         out: list[type] = []
         if owner.compression.auto and not owner.exchange.pinned:
-            out.append(auto_exchange.AutoExchangeCallback)
+            out.append(auto_callback.AutoExchangeCallback)
         if owner.compression.dense_steps:
             out.append(dense_phase.DensePhaseCallback)
         if owner.sync_every is not None:

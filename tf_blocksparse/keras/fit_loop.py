@@ -7,7 +7,7 @@ which a traced ``apply`` cannot do, and Keras calls nothing of an optimizer betw
 steps of ``model.fit``; only callbacks run there:
 
 - the automatic exchange's re-decisions (it times collectives, agrees on the figures and
-  may re-trace the step: :class:`~tf_blocksparse.auto.auto_exchange.AutoExchangeCallback`).
+  may re-trace the step: :class:`~tf_blocksparse.auto.auto_callback.AutoExchangeCallback`).
   Without it the build-time decision stays for the whole run;
 - the end of a dense phase (``dense_steps``: it moves state and re-traces,
   :class:`~tf_blocksparse.keras.dense_phase.DensePhaseCallback`).  Without it the dense
