@@ -12,7 +12,8 @@ from typing import Any
 import keras
 
 from tf_blocksparse import BlockSparseOptimizer
-from tf_blocksparse.clipping import LocalNormClip, clip_after_all_reduce
+from tf_blocksparse.clipping import LocalNormClip
+from tf_blocksparse.clipping_baseline import clip_after_all_reduce
 
 LEARNING_RATE = 0.05
 MOMENTUM = 0.9
@@ -41,7 +42,7 @@ class ReduceThenClipSGD(keras.optimizers.SGD):
     """SGD that clips the global norm of the *all-reduced* gradients.
 
     Keras clips (``clipnorm`` / ``global_clipnorm``) before its all-reduce; this clips its
-    result (:func:`tf_blocksparse.clipping.clip_after_all_reduce`), so every replica clips
+    result (:func:`tf_blocksparse.clipping_baseline.clip_after_all_reduce`), so every replica clips
     the same aggregated gradient.
 
     Args:

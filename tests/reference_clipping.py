@@ -1,4 +1,4 @@
-"""NumPy reference of the clipping rules (issue 5), written from the formulas, no TensorFlow.
+"""NumPy reference of the clipping rules, written from the formulas, no TensorFlow.
 
 - value: ``clip(g, lower, upper)`` element-wise;
 - DGC local norm: ``g * min(1, (t / sqrt(N)) / ||g||)``;

@@ -1,4 +1,4 @@
-"""Execution order derived from the forward pass (issue 4): tracer, optimizer and ops wiring."""
+"""Execution order derived from the forward pass: tracer, optimizer and ops wiring."""
 
 import keras
 import numpy as np
