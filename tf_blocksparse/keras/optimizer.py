@@ -32,9 +32,9 @@ from tf_blocksparse import _compat, blocks
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.keras import (
     inner_optimizer,
+    keras_saving,
     local_steps,
     loss_scale,
-    replica_state,
 )
 from tf_blocksparse.keras import optimizer_step as step
 from tf_blocksparse.keras.accumulation import GradientAccumulation
@@ -178,7 +178,7 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
         self._accumulation = None if args.accumulation_steps == 1 else GradientAccumulation(
             args.accumulation_steps, self._exchange, lambda: self._state.stats,
             lambda: self.inner_optimizer.iterations)
-        self._saving = replica_state.KerasSaving()
+        self._saving = keras_saving.KerasSaving()
         self._step = (self._local.step if self._local is not None else
                       self._accumulation.step if self._accumulation is not None else
                       self._exchange)

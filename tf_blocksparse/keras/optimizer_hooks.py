@@ -4,7 +4,7 @@ controls of its local-steps window.
 Keras calls ``save_own_variables``/``load_own_variables`` when saving and loading a model,
 ``finalize_variable_values`` when ``fit`` ends, and sets ``gradient_accumulation_steps`` as it
 constructs an optimizer; the wrapper's answers need only its parts (its
-:class:`~tf_blocksparse.keras.replica_state.KerasSaving` and, with ``sync_every``, its
+:class:`~tf_blocksparse.keras.keras_saving.KerasSaving` and, with ``sync_every``, its
 :class:`~tf_blocksparse.keras.local_steps.LocalSteps`), so they live in the mixin
 :class:`WrapperHooks` rather than beside construction, ``build`` and ``apply``.
 """
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 if TYPE_CHECKING:
+    from tf_blocksparse.keras.keras_saving import KerasSaving
     from tf_blocksparse.keras.local_steps import LocalSteps
-    from tf_blocksparse.keras.replica_state import KerasSaving
 
 __all__ = ["WrapperHooks"]
 
