@@ -8,7 +8,8 @@ STAMP = $(VENV)/.installed
 FASHION_DIR ?= /usr/share/datasets/fashion-mnist
 # Three test processes (pytest-xdist), each test file in one of them: many tests leave a core
 # idle for a while (waits on worker processes, cluster start-up), so on 2 cores three
-# processes keep both busy (measured: 9m24s and 10m06s with three, 10m52s with two).
+# processes keep both busy (measured: 9m24s and 10m06s with three, 10m52s with two; with the
+# longest files first and no scikit-learn, 10m03s with three and 9m47s with four).
 TEST_WORKERS ?= 3
 PYTEST_FLAGS = -q -x -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
@@ -140,6 +141,7 @@ bench-full: venv data
 		--out=runs/vgg_local_tuning
 	cp runs/vgg_local_tuning/convergence.json $(BENCH)/convergence_vgg_fc_local_tuning.json
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --out=runs/r20_long
+	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0 --methods=local_block --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --out=$(BENCH) && \
@@ -165,6 +167,9 @@ bench-full: venv data
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=100 \
 			--methods=dense,block_default,local_dense,local_block,local_block_20pct_nesterov \
 			--target_drop=0.005 \
+			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
+		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100 \
+			--methods=dense,block_default,local_block --target_drop=0.005 \
 			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
 		cp runs/local_wall/time_to_accuracy.json $(BENCH)/local_steps_wall_clock.json && \
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=10 \
