@@ -18,25 +18,6 @@ except RuntimeError:  # already initialised by an earlier import
 
 import pytest  # noqa: E402
 
-#: The test files that take longest (measured on 2 cores, 3 test processes), longest first.
-#: With ``--dist loadfile`` pytest-xdist hands out whole files in collection order, so a long
-#: file that happens to sort late keeps one process busy after the others have finished;
-#: starting the longest first (longest-processing-time-first scheduling) evens out the end.
-#: Only the order changes, never which tests run; files not listed keep their usual order.
-LONGEST_FIRST = ("test_train", "test_auto_exchange", "test_optimizer", "test_hybrid",
-                 "test_local_steps", "test_optimizer_reference", "test_dense_phase",
-                 "test_cross_device_ops", "test_cluster_scripts", "test_tf_cluster",
-                 "test_momentum_correction", "test_models", "test_architecture",
-                 "test_kernels", "test_replica_state", "test_warmup", "test_netem",
-                 "test_defaults", "test_quantize", "test_accumulation", "test_launch_scripts")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Puts the files of :data:`LONGEST_FIRST` first, in its order (a stable sort: the tests
-    of a file keep theirs)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
-
 
 @pytest.fixture(scope="session")
 def mirrored2() -> tf.distribute.MirroredStrategy:

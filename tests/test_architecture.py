@@ -459,10 +459,3 @@ def test_the_layer_check_can_fail():
     assert _upward_imports(graph) == {("exchange", "keras.optimizer"),
                                       ("fusion.plan", "fusion.forward_order")}
 
-
-def test_the_longest_first_test_files_exist():
-    """The suite's schedule (``conftest.LONGEST_FIRST``) names test files that exist."""
-    from tests.conftest import LONGEST_FIRST
-
-    missing = [n for n in LONGEST_FIRST if not (ROOT / "tests" / f"{n}.py").exists()]
-    assert not missing, missing
