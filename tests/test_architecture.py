@@ -458,4 +458,3 @@ def test_the_layer_check_can_fail():
              "tf_blocksparse.fusion.plan": {"tf_blocksparse.fusion.forward_order"}}
     assert _upward_imports(graph) == {("exchange", "keras.optimizer"),
                                       ("fusion.plan", "fusion.forward_order")}
-
