@@ -53,9 +53,18 @@ def _tfds_arrays(name: str, data_dir: str | None) -> tuple[tuple, tuple]:
         raise DatasetUnavailableError(
             f"{flag} needs the tensorflow-datasets package (pip install "
             f"'tf_blocksparse[launch]'), or choose another --dataset") from err
+    try:  # TFDS loads its core lazily: an install that does not fit fails here
+        not_found = tfds.core.DatasetNotFoundError
+    except Exception as err:  # e.g. a protobuf older than tensorflow-metadata's generated code
+        first = (str(err).splitlines() or [""])[0]
+        raise DatasetUnavailableError(
+            f"{flag}: tensorflow-datasets is installed but does not load "
+            f"({type(err).__name__}: {first}); install versions that fit this TensorFlow "
+            f"(with TensorFlow 2.19's protobuf 5: tensorflow-metadata<1.18), or choose "
+            f"another --dataset") from err
     try:
         builder = tfds.builder(name, data_dir=data_dir)
-    except tfds.core.DatasetNotFoundError as err:
+    except not_found as err:
         raise DatasetUnavailableError(
             f"{flag}: TFDS has no data set {name!r} ({str(err).splitlines()[0]})") from err
     if not builder.is_prepared():

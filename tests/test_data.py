@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import struct
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -219,6 +221,24 @@ def test_tfds_data_set_not_downloaded_names_the_flags(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(inputs.DatasetUnavailableError, match="no data set 'no_such_set'"):
         inputs.load_arrays("tfds:no_such_set", "cnn_small", tfds_data_dir=str(tmp_path))
+
+
+class _BrokenTFDS(types.ModuleType):
+    """Stands in for a tensorflow-datasets install whose lazily loaded core fails (as with a
+    protobuf older than tensorflow-metadata's generated code)."""
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"module 'tensorflow_datasets' has no attribute {name!r}")
+
+
+def test_tfds_that_does_not_load_is_one_clear_error(monkeypatch, tmp_path: Path):
+    from launch import inputs
+
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", _BrokenTFDS("tensorflow_datasets"))
+    with pytest.raises(inputs.DatasetUnavailableError,
+                       match=r"--dataset=tfds:mnist: tensorflow-datasets is installed but does "
+                             r"not load \(AttributeError: .*'core'\).*another --dataset"):
+        inputs.load_arrays("tfds:mnist", "cnn_small", tfds_data_dir=str(tmp_path))
 
 
 def test_missing_fashion_mnist_names_the_flags(tmp_path: Path):
