@@ -68,7 +68,7 @@ test: venv kernels data
 # built per TensorFlow version, so both venvs share the checkout).
 COMPAT_VENV ?= .venv-tf2.19
 # tensorflow-metadata 1.18 and later are generated for protobuf 6, newer than TensorFlow 2.19's.
-COMPAT_PINS ?= tensorflow==2.19.* keras==3.10.* tensorboard==2.19.* tensorflow-metadata<1.18
+COMPAT_PINS ?= tensorflow==2.19.* keras==3.10.* tensorboard==2.19.* 'tensorflow-metadata<1.18'
 test-compat:
 	@test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]' $(COMPAT_PINS)
