@@ -81,8 +81,6 @@ def define_flags() -> None:
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
 
 
-#: The automatic exchange's curve at a rate is that of the mode it chose there: all groups
-#: dense -> dense's, all sparse -> the same compression always applied.
 def _train_config(method: str, model: str, budget: dict, epochs: int, steps: int,
                   seed: int, density: float | None, **fields: Any) -> TrainConfig:
     """The ``launch.train`` config of one run of ``method`` on the convergence ``budget``."""

@@ -14,7 +14,8 @@ import statistics
 from launch import experiments
 from launch.convergence_curves import epochs_to_target
 
-#: The curves that stand for the automatic exchange, per mode it chose.
+#: The automatic exchange's curve at a rate is that of the mode it chose there: all groups
+#: dense -> dense's, all sparse -> the same compression always applied.
 AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_default"}}
 
 
