@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 from tf_blocksparse.launcher.processes import pid_alive
@@ -222,3 +223,54 @@ def check_pairs(pair_mbit: Sequence[Sequence[float]] | None,
             vals.append(0.0 if i == j else check_number(f"pair_mbit[{i}][{j}]", v, False))
         out.append(tuple(vals))
     return tuple(out)
+
+
+def check_subnet(subnet: str | None, num_workers: int) -> ipaddress.IPv4Network | None:
+    """``subnet`` as an IPv4 network with room for ``num_workers`` hosts (``None``: picked at
+    set-up, which needs ``num_workers <= 253`` for its /24).
+
+    Raises:
+        ValueError: Naming ``subnet`` (or ``num_workers`` for the default /24).
+    """
+    if subnet is None:
+        if num_workers > 253:
+            raise ValueError(f"num_workers must be <= 253 with the default /24 subnet, got "
+                             f"{num_workers}; pass a larger subnet")
+        return None
+    try:
+        net = ipaddress.ip_network(subnet, strict=True)
+    except ValueError as e:
+        raise ValueError(f"subnet must be an IPv4 network like 10.213.0.0/24: {e}") from None
+    if net.version != 4 or net.num_addresses - 2 < num_workers:
+        raise ValueError(f"subnet {subnet} has no room for {num_workers} workers")
+    return net
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM / SIGHUP handler: unwind (so that ``__exit__`` / ``atexit`` tear down)."""
+    raise SystemExit(128 + signum)
+
+
+def exit_on_signals() -> dict[int, object]:
+    """Turns SIGTERM / SIGHUP into ``SystemExit`` where they still have their default action
+    (main thread only), so that a cluster's tear-down runs.
+
+    Returns:
+        The handlers replaced, for :func:`restore_signals`.
+    """
+    old: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                old[sig] = signal.signal(sig, _exit_on_signal)
+    return old
+
+
+def restore_signals(old: dict[int, object]) -> None:
+    """Puts back the handlers :func:`exit_on_signals` replaced (those still its own)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, handler in old.items():
+        with contextlib.suppress(ValueError, TypeError):
+            if signal.getsignal(sig) is _exit_on_signal:
+                signal.signal(sig, handler)  # type: ignore[arg-type]

@@ -14,16 +14,8 @@ so that log lines never look like host addresses.  A worker started with
 :meth:`NetworkCluster.wrap` (``ip netns exec <ns> CMD``) sees only ``lo`` and its ``eth0``, so
 it talks to the others only over the cluster addresses.
 
-Shaping model (``tc``): every worker has a full-duplex link of ``bandwidth_mbit`` to a
-non-blocking switch, as with one NIC per host.  Each link direction is an HTB class of that
-rate: the worker's ``eth0`` egress (its uplink) and the bridge port's egress (its downlink).
-``latency_ms`` is a one-way delay added once per packet (``netem`` under the worker's uplink
-class), so the round trip between two workers grows by ``2 * latency_ms``.
-
-Per-pair rates (``pair_mbit``, e.g. from a :class:`~tf_blocksparse.planning.Topology`) replace
-the one-link-per-worker model: worker ``i``'s ``eth0`` gets one HTB class per destination
-``j`` at ``pair_mbit[i][j]``, chosen by a ``u32`` filter on the destination address, so the
-link ``i -> j`` really carries its own rate (the bridge ports are not shaped then).
+How the links are shaped (one link per worker, or a rate per pair of workers) is
+described in :mod:`launch.cluster.shaping`.
 
 ``netem`` needs the kernel's ``sch_netem`` (``CONFIG_NET_SCH_NETEM``); where it is missing,
 asking for latency raises :class:`NetemUnavailableError` (bandwidth alone needs only HTB).
@@ -49,7 +41,6 @@ import contextlib
 import ipaddress
 import json
 import os
-import signal
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -62,11 +53,14 @@ from launch.cluster.namespaces import (
     NetemUnavailableError,
     check_number,
     check_pairs,
+    check_subnet,
     cleanup_stale,
     delete_namespace,
+    exit_on_signals,
     netem_supported,
     pick_subnet,
     require_privileges,
+    restore_signals,
     run_tool,
 )
 from launch.cluster.shaping import link_commands, pair_commands
@@ -126,19 +120,7 @@ class NetworkCluster:
         if not isinstance(prefix, str) or not PREFIX_RE.match(prefix):
             raise ValueError(f"prefix must match {PREFIX_RE.pattern}, got {prefix!r}")
         self.prefix = prefix
-        self._subnet: ipaddress.IPv4Network | None = None
-        if subnet is not None:
-            try:
-                net = ipaddress.ip_network(subnet, strict=True)
-            except ValueError as e:
-                raise ValueError(f"subnet must be an IPv4 network like 10.213.0.0/24: {e}") \
-                    from None
-            if net.version != 4 or net.num_addresses - 2 < num_workers:
-                raise ValueError(f"subnet {subnet} has no room for {num_workers} workers")
-            self._subnet = net
-        elif num_workers > 253:
-            raise ValueError(f"num_workers must be <= 253 with the default /24 subnet, got "
-                             f"{num_workers}; pass a larger subnet")
+        self._subnet = check_subnet(subnet, num_workers)
         self.handle_signals = handle_signals
         self._ip = self._tc = ""
         self._created: list[str] = []
@@ -212,7 +194,8 @@ class NetworkCluster:
             self._ip, self._tc = require_privileges()
             self._active = True
             atexit.register(self.close)
-            self._install_signal_handlers()
+            if self.handle_signals:
+                self._old_handlers = exit_on_signals()
             try:
                 self._setup()
             except BaseException:
@@ -293,25 +276,10 @@ class NetworkCluster:
             if errors:
                 raise NetemError("tear-down incomplete: " + "; ".join(errors))
             self._active = False
-            self._restore_signal_handlers()
+            restore_signals(self._old_handlers)
+            self._old_handlers = {}
             with contextlib.suppress(Exception):
                 atexit.unregister(self.close)
-
-    def _install_signal_handlers(self) -> None:
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is signal.SIG_DFL:
-                self._old_handlers[sig] = signal.signal(sig, _exit_on_signal)
-
-    def _restore_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, old in self._old_handlers.items():
-            with contextlib.suppress(ValueError, TypeError):
-                if signal.getsignal(sig) is _exit_on_signal:
-                    signal.signal(sig, old)  # type: ignore[arg-type]
-        self._old_handlers.clear()
 
     # ----------------------------------------------------------------- inspection
     def links(self) -> dict[str, list[str]]:
@@ -346,7 +314,3 @@ class NetworkCluster:
                 + run_tool([self._tc or "tc", "-n", self.bridge_namespace, "qdisc", "show", "dev",
                         f"p{index}"]).stdout)
 
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    """SIGTERM / SIGHUP handler: unwind (so that ``__exit__`` / ``atexit`` tear down)."""
-    raise SystemExit(128 + signum)

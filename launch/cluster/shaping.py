@@ -3,6 +3,18 @@
 :class:`~launch.cluster.netem.NetworkCluster` runs them.  A link direction is an HTB class
 of the link's rate (burst: 1 ms at line rate, at least one 64 KiB GSO packet); a latency is
 a ``netem`` leaf under that class (or the root qdisc when no rate is given).
+
+One link per worker (:func:`link_commands`): every worker has a full-duplex link of
+``bandwidth_mbit`` to a non-blocking switch, as with one NIC per host.  Each direction is
+shaped: the worker's ``eth0`` egress (its uplink) and the bridge port's egress (its
+downlink).  ``latency_ms`` is a one-way delay added once per packet (under the worker's
+uplink class), so the round trip between two workers grows by ``2 * latency_ms``.
+
+A rate per pair (:func:`pair_commands`, e.g. from a
+:class:`~tf_blocksparse.planning.Topology`): worker ``i``'s ``eth0`` gets one HTB class per
+destination ``j`` at ``pair_mbit[i][j]``, chosen by a ``u32`` filter on the destination
+address, so the link ``i -> j`` really carries its own rate (the bridge ports are not
+shaped then).
 """
 
 from __future__ import annotations
