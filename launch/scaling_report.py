@@ -1,7 +1,7 @@
 """The projection half of ``launch.project_scaling``: scaling efficiency from measured inputs
 (:func:`project`), the dense case checked against Horovod's published figures
 (:func:`sanity_check`), and the markdown table.  Plain Python over the alpha-beta model of
-:mod:`tf_blocksparse.planning.scaling`; the measurements live in the script's body,
+:mod:`tf_blocksparse.planning.projection`; the measurements live in the script's body,
 :mod:`launch.benches.scaling`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tf_blocksparse.planning import scaling
+from tf_blocksparse.planning import projection
 
 #: Published single-P100 step times at batch 64 (see the module docstring): assumptions.
 #: The projection's default cluster sizes and link rates (Gbit/s).
@@ -52,7 +52,7 @@ def project(models: Mapping[str, Mapping[str, Any]], workers: Sequence[int],
             sources["gpu_assumed"] = gpu_compute_s[name]
         for source, compute in sources.items():
             for bw in bandwidths_gbit:
-                net = scaling.NetworkModel(bw, alpha_s)
+                net = projection.NetworkModel(bw, alpha_s)
                 for p in workers:
                     cases: list[tuple[str, str | None, dict[str, Any]]] = [
                         ("dense", None, {"dense_bytes": m["tensor_bytes"]}),
@@ -68,7 +68,7 @@ def project(models: Mapping[str, Mapping[str, Any]], workers: Sequence[int],
                             "score_bytes": sel["score_bytes"],
                             "value_bytes": sel["value_bytes"], "select_s": sel_s}))
                     for mode, label, kw in cases:
-                        cost = scaling.exchange_cost(
+                        cost = projection.exchange_cost(
                             "dense" if mode == "dense_per_tensor" else mode, p, net, compute,
                             overlap=overlap, **kw)
                         rows.append({
@@ -84,12 +84,12 @@ def project(models: Mapping[str, Mapping[str, Any]], workers: Sequence[int],
 def sanity_check(sizes: Mapping[str, int], alpha_s: float, overlap: float,
                  gpu_compute_s: Mapping[str, float]) -> dict[str, Any]:
     """Dense fused ring all-reduce at 512 workers, 25 Gbit/s, beside Horovod's figures."""
-    net = scaling.NetworkModel(25.0, alpha_s)
+    net = projection.NetworkModel(25.0, alpha_s)
     entries = []
     for name, published in HOROVOD.items():
         if name not in sizes or name not in gpu_compute_s:
             continue
-        cost = scaling.exchange_cost("dense", 512, net, gpu_compute_s[name],
+        cost = projection.exchange_cost("dense", 512, net, gpu_compute_s[name],
                                      dense_bytes=sizes[name], overlap=overlap)
         lo, hi = cost.efficiency, cost.efficiency_overlap
         entries.append({

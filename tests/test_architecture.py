@@ -162,9 +162,9 @@ REPO_PY = sorted(p for d in ("tf_blocksparse", "launch", "models")
 def test_the_planners_are_found():
     """Each product's planner is a planner and its runtime is not (the checks below see
     them)."""
-    for module in ("planning.scaling", "planning.link_cost", "fusion", "fusion.balanced",
-                   "pipeline", "pipeline.partition", "pipeline.profile", "pipeline.topology",
-                   "hybrid", "hybrid.planner", "hybrid.memory"):
+    for module in ("planning.scaling", "planning.projection", "planning.link_cost", "fusion",
+                   "fusion.balanced", "pipeline", "pipeline.partition", "pipeline.profile",
+                   "pipeline.topology", "hybrid", "hybrid.planner", "hybrid.memory"):
         assert f"tf_blocksparse.{module}" in PLANNERS, module
     for module in ("fusion.forward_order", "pipeline.profiler", "pipeline.trainer",
                    "pipeline.stages", "hybrid.split", "hybrid.sync", "hybrid.trainer",

@@ -1,5 +1,6 @@
-"""Tests of the alpha-beta scaling model (``tf_blocksparse.planning.scaling``) and of the
-JSON that ``launch/project_scaling.py`` writes (its body: ``launch/benches/scaling.py``)."""
+"""Tests of the alpha-beta scaling model (``tf_blocksparse.planning.scaling``), the projected
+efficiency (``tf_blocksparse.planning.projection``) and of the JSON that
+``launch/project_scaling.py`` writes (its body: ``launch/benches/scaling.py``)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,12 @@ import math
 import pytest
 
 from tf_blocksparse.planning import scaling
+from tf_blocksparse.planning.projection import NetworkModel, exchange_cost, scaling_efficiency
 from tf_blocksparse.planning.scaling import (
-    NetworkModel,
     allgather_mode_time,
     allgather_time,
     dense_mode_time,
-    exchange_cost,
     ring_allreduce_time,
-    scaling_efficiency,
     shared_mode_time,
 )
 

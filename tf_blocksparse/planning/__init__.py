@@ -22,8 +22,10 @@ here:
   and the mode names.
 - :mod:`~tf_blocksparse.planning.exchange_cost`: the automatic exchange's policy over
   measured collective and compression times.
-- :mod:`~tf_blocksparse.planning.scaling`: projected scaling efficiency, the cost model's
-  links derived from Hockney's alpha-beta ring model.
+- :mod:`~tf_blocksparse.planning.scaling`: the cost model's links derived from Hockney's
+  alpha-beta ring model, and each mode's exchange time on them.
+- :mod:`~tf_blocksparse.planning.projection`: the projected scaling efficiency of a mode
+  on such a network.
 
 Importing a product package (``tf_blocksparse.fusion``, ``.pipeline``, ``.hybrid``) loads its
 planner only; ``tests/test_architecture.py`` checks that every planner stays TensorFlow-free.
@@ -89,15 +91,12 @@ from .exchange_cost import (
     exchange_seconds,
     mode_seconds,
 )
+from .projection import ExchangeCost, NetworkModel, exchange_cost, scaling_efficiency
 from .scaling import (
-    ExchangeCost,
-    NetworkModel,
     allgather_mode_time,
     allgather_time,
     dense_mode_time,
-    exchange_cost,
     ring_allreduce_time,
-    scaling_efficiency,
     shared_mode_time,
 )
 
