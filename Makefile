@@ -37,7 +37,8 @@ kernels: venv
 	@$(PY) tf_blocksparse/kernels/build.py || \
 		echo "kernels: NOTE: not built; the pure-TensorFlow path will be used"
 
-# Debian's Fashion-MNIST IDX files; optional (the loaders fall back to sklearn digits).
+# Debian's Fashion-MNIST IDX files; optional (without them the loaders use the digits shipped in
+# datasets/digits.npz).
 data:
 	@if [ -d "$(FASHION_DIR)" ]; then \
 		echo "data: Fashion-MNIST found in $(FASHION_DIR)"; \
