@@ -95,7 +95,7 @@ def define_flags() -> None:
 
 def pair_rates(f: Any) -> list[list[float]]:
     """Per-pair link rates (Mbit/s) of the flags' topology."""
-    from launch.cluster.tf_cluster import topology_rates
+    from launch.cluster.shaping import topology_rates
     from tf_blocksparse.planning import Topology
 
     n, fast = f.workers, f.bandwidth_mbit
@@ -136,7 +136,7 @@ def run_client(f: Any) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from launch.cluster.tf_cluster import rates_topology
+    from launch.cluster.shaping import rates_topology
     from launch.plan_pipeline import DATASET_SHAPES, plan_all
     from models.registry import build_model
     from tf_blocksparse import PipelineTrainer, profile_model

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from launch.cluster import cgroups, netem, probe
-from launch.cluster.tf_cluster import ServerCluster, WorkerFailure, rates_topology, topology_rates
+from launch.cluster.shaping import rates_topology, topology_rates
+from launch.cluster.tf_cluster import ServerCluster, WorkerFailure
 from tf_blocksparse.planning import Topology
 from tf_blocksparse.runtime import remote
 

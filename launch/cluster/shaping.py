@@ -1,4 +1,5 @@
-"""The ``tc`` commands that shape one worker's links (pure: command lines, nothing is run).
+"""The ``tc`` commands that shape one worker's links (pure: command lines, nothing is run),
+and the per-pair rates of a :class:`~tf_blocksparse.planning.Topology`.
 
 :class:`~launch.cluster.netem.NetworkCluster` runs them.  A link direction is an HTB class
 of the link's rate (burst: 1 ms at line rate, at least one 64 KiB GSO packet); a latency is
@@ -22,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from launch.cluster.namespaces import NETEM_LIMIT
+from tf_blocksparse.planning import Topology
 
-__all__ = ["link_commands", "pair_commands"]
+__all__ = ["link_commands", "pair_commands", "rates_topology", "topology_rates"]
 
 
 def _rate_class(base: list[str], dev: str, classid: str, mbit: float) -> list[str]:
@@ -95,3 +97,25 @@ def pair_commands(tc: str, ns: str, index: int, rates_mbit: Sequence[float],
                     "prio", "1", "u32", "match", "ip", "dst", f"{addresses[dst]}/32",
                     "flowid", cls])
     return out
+
+
+def topology_rates(topology: Topology, fastest_mbit: float) -> list[list[float]]:
+    """Per-pair link rates (Mbit/s) with ``topology``'s proportions, fastest link scaled to
+    ``fastest_mbit``.
+
+    Raises:
+        ValueError: ``fastest_mbit`` is not > 0 or the topology has one device.
+    """
+    if not fastest_mbit > 0:
+        raise ValueError(f"fastest_mbit must be > 0, got {fastest_mbit!r}")
+    if topology.num_devices < 2:
+        raise ValueError("topology needs at least 2 devices to shape links between them")
+    top = max(max(row) for row in topology.bandwidth)
+    return [[0.0 if a == b else fastest_mbit * bw / top for b, bw in enumerate(row)]
+            for a, row in enumerate(topology.bandwidth)]
+
+
+def rates_topology(pair_mbit: Sequence[Sequence[float]]) -> Topology:
+    """The :class:`Topology` (bytes/s) that per-pair rates in Mbit/s describe."""
+    return Topology([[0.0 if a == b else float(v) * 1e6 / 8 for b, v in enumerate(row)]
+                     for a, row in enumerate(pair_mbit)])

@@ -7,8 +7,9 @@ all of them (the pipeline and hybrid trainers).  Optionally (Linux, root):
 
 - every process gets its own network namespace (:class:`launch.cluster.netem.NetworkCluster`)
   and the link from worker ``i`` to worker ``j`` is shaped to ``pair_mbit[i][j]`` (e.g. from a
-  :class:`~tf_blocksparse.planning.Topology`, :func:`topology_rates`); the client's own links
-  are not shaped (it only feeds the input batches);
+  :class:`~tf_blocksparse.planning.Topology`:
+  :func:`~launch.cluster.shaping.topology_rates`); the client's own links are not shaped (it
+  only feeds the input batches);
 - worker ``i``'s memory is capped at ``memory_mib[i]`` MiB
   (:class:`launch.cluster.cgroups.ResourceCap`); a worker that needs more is killed by the
   kernel's out-of-memory killer, and the launcher says so;
@@ -41,7 +42,6 @@ from launch.cluster import local
 from launch.cluster.cgroups import ResourceCap, require_controller
 from launch.cluster.netem import NetworkCluster, require_privileges
 from tf_blocksparse.launcher import processes
-from tf_blocksparse.planning import Topology
 from tf_blocksparse.runtime.remote import CLUSTER_ENV, READY, TASK_ENV
 
 #: Port every process listens on inside its own namespace (the addresses differ).
@@ -61,28 +61,6 @@ class WorkerFailure(RuntimeError):
         super().__init__(message)
         self.index = index
         self.oom_killed = oom_killed
-
-
-def topology_rates(topology: Topology, fastest_mbit: float) -> list[list[float]]:
-    """Per-pair link rates (Mbit/s) with ``topology``'s proportions, fastest link scaled to
-    ``fastest_mbit``.
-
-    Raises:
-        ValueError: ``fastest_mbit`` is not > 0 or the topology has one device.
-    """
-    if not fastest_mbit > 0:
-        raise ValueError(f"fastest_mbit must be > 0, got {fastest_mbit!r}")
-    if topology.num_devices < 2:
-        raise ValueError("topology needs at least 2 devices to shape links between them")
-    top = max(max(row) for row in topology.bandwidth)
-    return [[0.0 if a == b else fastest_mbit * bw / top for b, bw in enumerate(row)]
-            for a, row in enumerate(topology.bandwidth)]
-
-
-def rates_topology(pair_mbit: Sequence[Sequence[float]]) -> Topology:
-    """The :class:`Topology` (bytes/s) that per-pair rates in Mbit/s describe."""
-    return Topology([[0.0 if a == b else float(v) * 1e6 / 8 for b, v in enumerate(row)]
-                     for a, row in enumerate(pair_mbit)])
 
 
 def _per_worker(arg: str, values: object, num_workers: int, kind: type) -> tuple:
