@@ -76,8 +76,9 @@ test-compat:
 	@touch $(COMPAT_VENV)/.installed
 	$(MAKE) test VENV=$(COMPAT_VENV)
 
+# Two processes: most heavy tests start clusters of two to four TensorFlow processes themselves.
 test-slow: venv kernels data
-	$(call run_pytest,-m slow)
+	$(call run_pytest,-m slow -n 2)
 
 # Executes every colab/ notebook headless (CI runs it after `make test`).
 test-notebooks: venv kernels data

@@ -12,6 +12,9 @@ from launch import bench_fusion, fusion_plans, fusion_step
 from launch.benches import fusion
 from tf_blocksparse.planning import TensorSpec, plan_balanced
 
+#: A benchmark script end to end: run with the heavy tests (``make test-slow``).
+pytestmark = pytest.mark.slow
+
 PLAN_METHODS = {"balanced", "tf_group_by_size", "ddp", "horovod_greedy"}
 REPEATS = 2
 

@@ -72,7 +72,14 @@ HYBRID = ["--workers=2+1", "--model=vgg_fc", "--dataset=digits", "--fc_units=204
 
 
 @needs_root
+@pytest.mark.slow
 def test_train_hybrid_on_workers_matches_data_parallel(tmp_path):
+    """``launch.train_hybrid --workers=2+1``: the FC state on its own worker, the weights
+    those of data-parallel training.
+
+    Slow (four TensorFlow processes): the default suite keeps the same placement across worker
+    processes (``tests/test_tf_cluster.py``, the hybrid test), the script on logical devices
+    (``tests/test_hybrid.py``) and this launcher's refusal of a capped conv worker (below)."""
     proc = _run("launch.train_hybrid", *HYBRID, "--verify_against_data_parallel",
                 f"--out={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]

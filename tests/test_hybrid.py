@@ -320,7 +320,10 @@ def test_train_hybrid_verifies_against_data_parallel() -> None:
     assert placement["fc"]["optimizer_state_devices"] == ["CPU:5"]
 
 
+@pytest.mark.slow
 def test_bench_hybrid_offloads_the_head() -> None:
+    """The benchmark script end to end (slow: three trainings); the default suite keeps its
+    parts: the planner, the placement and the trainer above."""
     r = _run_script("launch.bench_hybrid", "--image_size=8", "--fc_units=256", "--batch=8",
                     "--device_memory_budget=1.2", "--steps=1", "--warmup_steps=1",
                     "--profile_repeats=1")

@@ -252,7 +252,15 @@ def test_cli_sigint_removes_namespaces(tmp_path):
 
 
 @needs_netns
+@pytest.mark.slow
 def test_two_worker_mwms_over_shaped_network(tmp_path):
+    """Two MultiWorkerMirroredStrategy workers, each in its own namespace on 100 Mbit/s links,
+    train the same weights and talk only over the shaped links.
+
+    Slow (a two-process training over a slow link): the default suite keeps the namespaces,
+    their shaping and tear-down (the tests around this one) and the same training on
+    loopback (``mwms_runs``, ``tests/test_multiworker.py``); the benchmark scripts run on
+    shaped clusters (``tests/test_evidence.py``)."""
     cmd = [sys.executable, str(ROOT / "tests" / "mwms_worker.py"), str(tmp_path), "shared"]
     out = io.StringIO()
     rc = run_local_cluster(cmd, 2, env={"PYTHONPATH": str(ROOT)}, timeout_s=240, stream=out,
