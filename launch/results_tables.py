@@ -177,11 +177,14 @@ def wall_clock_table(doc: dict) -> str:
 
 
 def backup_table(doc: dict) -> str:
-    """One row per method of ``launch/bench_backup.py`` (``backup.json``)."""
-    lines = ["| method | backup s per epoch (steady) | vs dense | link bytes per backup per "
-             "worker | bytes/step |", "|---|---|---|---|---|"]
+    """One row per method of ``launch/bench_backup.py`` (``backup.json``); the spread over the
+    steady epochs of every run where the record has it."""
+    lines = ["| method | backup s per epoch (steady) | std, min-max (n) | vs dense | link bytes "
+             "per backup per worker | bytes/step |", "|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        lines.append(f"| {r['method']} | {r['backup_s_steady']:.3f} | "
+        s = r.get("backup_s_steady_spread")
+        spread = f"{s['std']:.3f}, {s['min']:.3f}-{s['max']:.3f} ({s['n']})" if s else "-"
+        lines.append(f"| {r['method']} | {r['backup_s_steady']:.3f} | {spread} | "
                      f"{r.get('backup_s_ratio_vs_dense', 1.0):.2f}x | "
                      f"{r['link_bytes_per_backup']:,} | {r['payload_bytes_per_step']:,} |")
     return "\n".join(lines)

@@ -193,6 +193,23 @@ def test_backup_file():
     assert len(results_tables.backup_table(doc).splitlines()) == len(rows) + 2
 
 
+def test_backup_rows_pool_the_steady_epochs_of_every_repeat():
+    """``bench_backup.summarise``: every run's first backup (it builds the writer) is left
+    out, the rest pooled; link bytes per backup = (with - without) / epochs per worker."""
+    from launch.bench_backup import summarise
+
+    runs = [{"backup_s_per_epoch": [9.0, 1.0, 3.0], "payload_bytes_per_step": 5,
+             "flags": {"seed": 0}},
+            {"backup_s_per_epoch": [7.0, 2.0, 2.0], "payload_bytes_per_step": 5,
+             "flags": {"seed": 0}}]
+    row = summarise("dense", runs, [1300, 1600], [1000, 1000], 3)
+    assert row["backup_s_steady"] == 2.0
+    assert row["backup_s_steady_spread"] == {"mean": 2.0, "std": 0.816, "min": 1.0,
+                                             "max": 3.0, "n": 4}
+    assert row["link_bytes_per_backup"] == 150
+    assert row["backup_s_per_epoch"] == [[9.0, 1.0, 3.0], [7.0, 2.0, 2.0]]
+
+
 @pytest.mark.parametrize("key", ["projections", "sanity_check", "summary"])
 def test_scaling_file(key):
     doc = _load("scaling.json")
