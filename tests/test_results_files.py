@@ -188,7 +188,10 @@ def test_backup_file():
     rows = {r["method"]: r for r in doc["rows"]}
     assert {"dense", "block_shared"} <= set(rows)
     for r in rows.values():
-        assert len(r["backup_s_per_epoch"]) == doc["budget"]["epochs"]
+        assert len(r["backup_s_per_epoch"]) == doc["budget"]["repeats"]
+        assert all(len(run) == doc["budget"]["epochs"] for run in r["backup_s_per_epoch"])
+        assert r["backup_s_steady_spread"]["n"] == doc["budget"]["repeats"] * (
+            doc["budget"]["epochs"] - 1)
         assert r["link_bytes_per_backup"] < 1_000_000  # vgg_fc's state is ~50 MB
     assert len(results_tables.backup_table(doc).splitlines()) == len(rows) + 2
 
