@@ -147,7 +147,7 @@ bench-full: venv data
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1 --methods=local_block --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
-		$(PY) -m launch.bench_backup --out=$(BENCH) && \
+		$(PY) -m launch.bench_backup --epochs=6 --repeats=3 --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --convergence=$(CURVES) \
 			--check=gru_nmt:100:block_default:0 --out=$(BENCH) && \
