@@ -9,7 +9,8 @@ FASHION_DIR ?= /usr/share/datasets/fashion-mnist
 # Three test processes (pytest-xdist), each test file in one of them: many tests leave a core
 # idle for a while (waits on worker processes, cluster start-up), so on 2 cores three
 # processes keep both busy (measured: 9m24s and 10m06s with three, 10m52s with two; without
-# scikit-learn in a later session, 10m03s with three and 9m47s with four).
+# scikit-learn in a later session, 10m03s with three and 9m47s with four; with four more
+# end-to-end runs marked slow, 8m41s against 9m36s before, side by side).
 TEST_WORKERS ?= 3
 PYTEST_FLAGS = -q -x -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
