@@ -8,9 +8,8 @@ STAMP = $(VENV)/.installed
 FASHION_DIR ?= /usr/share/datasets/fashion-mnist
 # Three test processes (pytest-xdist), each test file in one of them: many tests leave a core
 # idle for a while (waits on worker processes, cluster start-up), so on 2 cores three
-# processes keep both busy (measured: 9m24s and 10m06s with three, 10m52s with two; without
-# scikit-learn in a later session, 10m03s with three and 9m47s with four; with four more
-# end-to-end runs marked slow, 8m41s against 9m36s before, side by side).
+# processes keep both busy (measured: 9m24s and 10m06s with three, 10m52s with two; 10m03s
+# with three and 9m47s with four in a later session).
 TEST_WORKERS ?= 3
 PYTEST_FLAGS = -q -x -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
@@ -81,7 +80,7 @@ test-compat:
 test-slow: venv kernels data
 	$(call run_pytest,-m slow -n 2)
 
-# Executes every colab/ notebook headless (CI runs it after `make test`).
+# Executes every colab/ notebook headless (CI runs it last).
 test-notebooks: venv kernels data
 	$(call run_pytest,-m notebooks tests/test_notebooks.py)
 
