@@ -43,7 +43,14 @@ from absl import app, flags
 from launch import experiments, script
 from launch import flags as train_flags
 from launch.config import TrainConfig
-from launch.tta_figures import aggregate, steady_step_s, summarise
+from launch.tta_figures import (
+    aggregate,
+    group_key,
+    group_records,
+    kept_groups,
+    runs_to_do,
+    steady_step_s,
+)
 from tf_blocksparse.options import MASKINGS
 
 FLAGS = flags.FLAGS
@@ -117,13 +124,6 @@ def _positive_numbers(values: list[str]) -> bool:
         return False
 
 
-def _same_budget(old: dict, new: dict) -> bool:
-    """Whether a kept group was run with the budget asked for now (its ``rule`` is prose
-    that describes the budget, not part of it)."""
-    return {k: v for k, v in old.items() if k != "rule"} == \
-        {k: v for k, v in new.items() if k != "rule"}
-
-
 def model_overrides(flag: str, entries: list[str], cast: type) -> dict[str, float]:
     """Parses ``--flag`` entries ``MODEL=VALUE`` (VALUE > 0, of type ``cast``)."""
     out = {}
@@ -161,46 +161,6 @@ def _train_config(model: str, budget: dict, seed: int, method: str, target: floa
     if f.early_stop and target is not None:
         config = config.replace(stop_at_accuracy=target, min_epochs=f.epochs)
     return config
-
-
-def group_records(runs: list[dict], budget: dict) -> list[dict]:
-    """The per-seed figures (:func:`launch.tta_figures.summarise`) of one group's ``runs``,
-    seed by seed.  Runs stored without flags take the group's ``budget`` learning rate and,
-    when sparse, momentum masking (DGC's ``"all"`` in budgets from before it was recorded)."""
-    records = [row for seed in sorted({r["seed"] for r in runs})
-               for row in summarise([r for r in runs if r["seed"] == seed],
-                                    budget["target_drop"])]
-    for r in records:
-        if r["lr"] is None:
-            r["lr"] = budget["lr"]
-        if r["momentum_masking"] is None and r["method"] != "dense":
-            r["momentum_masking"] = budget.get("momentum_masking", "all")
-    return records
-
-
-def group_key(model: str, bandwidth_mbit: float) -> str:
-    """The name of a model x link rate group in the results file, e.g.
-    ``"vgg_fc @ 100 Mbit/s"``."""
-    return f"{model} @ {float(bandwidth_mbit):g} Mbit/s"
-
-
-def kept_groups(old: dict, running: set[str], budget_of: Callable[[str], dict]) -> list[str]:
-    """Keys (``"model @ rate Mbit/s"``) of the groups of a ``--resume``d file to keep: every
-    group this invocation does not run (with its own budget), and a group it runs only if
-    its budget is the one asked for now (``budget_of(model)``; else it is run again)."""
-    return [key for key, budget in old.get("group_budgets", {}).items()
-            if key not in running or _same_budget(budget, budget_of(key.split(" @ ")[0]))]
-
-
-def runs_to_do(kept: list[dict], methods: list[str], seeds: list[int], rerun: list[str]
-               ) -> list[tuple[int, str]]:
-    """``(seed, method)`` of every run to make, seed by seed: each method a seed lacks in
-    ``kept`` or that is in ``rerun``; dense first in each seed (its final accuracy sets the
-    seed's target, so a re-run dense sets it for the runs after it)."""
-    return [(seed, m) for seed in seeds
-            for m in sorted(methods, key=lambda m: m != "dense")
-            if m in rerun or not any(r["method"] == m and r.get("seed", 0) == seed
-                                     for r in kept)]
 
 
 def run_group(model: str, bw: float, budget: dict, methods: list[str], seeds: list[int],

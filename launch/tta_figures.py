@@ -1,15 +1,18 @@
 """The figures of ``launch.bench_time_to_accuracy``'s run records: a step's parts, the
-one-time costs, time to the target per seed and their spreads over seeds.
+one-time costs, time to the target per seed and their spreads over seeds; and which groups
+and runs a ``--resume``d results file keeps.
 
 Pure functions of ``launch.train`` records (dicts); nothing is run here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from launch import experiments
 
-__all__ = ["SPREAD_FIELDS", "aggregate", "one_time_s", "steady_step_s", "step_breakdown",
-           "summarise"]
+__all__ = ["SPREAD_FIELDS", "aggregate", "group_key", "group_records", "kept_groups",
+           "one_time_s", "runs_to_do", "steady_step_s", "step_breakdown", "summarise"]
 
 
 def steady_step_s(record: dict) -> float | None:
@@ -125,3 +128,50 @@ def aggregate(rows: list[dict]) -> list[dict]:
             if any(r.get("auto_modes") for r in runs) else None,
         })
     return summary
+
+
+def _same_budget(old: dict, new: dict) -> bool:
+    """Whether a kept group was run with the budget asked for now (its ``rule`` is prose
+    that describes the budget, not part of it)."""
+    return {k: v for k, v in old.items() if k != "rule"} == \
+        {k: v for k, v in new.items() if k != "rule"}
+
+
+def group_records(runs: list[dict], budget: dict) -> list[dict]:
+    """The per-seed figures (:func:`launch.tta_figures.summarise`) of one group's ``runs``,
+    seed by seed.  Runs stored without flags take the group's ``budget`` learning rate and,
+    when sparse, momentum masking (DGC's ``"all"`` in budgets from before it was recorded)."""
+    records = [row for seed in sorted({r["seed"] for r in runs})
+               for row in summarise([r for r in runs if r["seed"] == seed],
+                                    budget["target_drop"])]
+    for r in records:
+        if r["lr"] is None:
+            r["lr"] = budget["lr"]
+        if r["momentum_masking"] is None and r["method"] != "dense":
+            r["momentum_masking"] = budget.get("momentum_masking", "all")
+    return records
+
+
+def group_key(model: str, bandwidth_mbit: float) -> str:
+    """The name of a model x link rate group in the results file, e.g.
+    ``"vgg_fc @ 100 Mbit/s"``."""
+    return f"{model} @ {float(bandwidth_mbit):g} Mbit/s"
+
+
+def kept_groups(old: dict, running: set[str], budget_of: Callable[[str], dict]) -> list[str]:
+    """Keys (``"model @ rate Mbit/s"``) of the groups of a ``--resume``d file to keep: every
+    group this invocation does not run (with its own budget), and a group it runs only if
+    its budget is the one asked for now (``budget_of(model)``; else it is run again)."""
+    return [key for key, budget in old.get("group_budgets", {}).items()
+            if key not in running or _same_budget(budget, budget_of(key.split(" @ ")[0]))]
+
+
+def runs_to_do(kept: list[dict], methods: list[str], seeds: list[int], rerun: list[str]
+               ) -> list[tuple[int, str]]:
+    """``(seed, method)`` of every run to make, seed by seed: each method a seed lacks in
+    ``kept`` or that is in ``rerun``; dense first in each seed (its final accuracy sets the
+    seed's target, so a re-run dense sets it for the runs after it)."""
+    return [(seed, m) for seed in seeds
+            for m in sorted(methods, key=lambda m: m != "dense")
+            if m in rerun or not any(r["method"] == m and r.get("seed", 0) == seed
+                                     for r in kept)]

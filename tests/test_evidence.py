@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch import bench_convergence, bench_time_to_accuracy, experiments, tta_figures
+from launch import bench_convergence, experiments, tta_figures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,7 +77,7 @@ def test_one_time_costs_and_records_derived_from_runs():
     for r in runs:
         del r["flags"]  # stored runs keep no flags
     budget = {"target_drop": 0.003, "lr": 0.05, "momentum_masking": "waited"}
-    records = bench_time_to_accuracy.group_records(runs, budget)
+    records = tta_figures.group_records(runs, budget)
     assert [(r["seed"], r["method"]) for r in records] == [
         (0, "dense"), (0, "block_auto"), (1, "dense"), (1, "block_auto")]
     assert all(r["lr"] == 0.05 for r in records)
@@ -91,12 +91,12 @@ def test_one_time_costs_and_records_derived_from_runs():
 def test_runs_to_do_fills_gaps_reruns_and_puts_dense_first():
     kept = [{"method": m, "seed": s} for s in (0, 1) for m in ("dense", "block_shared")]
     kept.append({"method": "block_auto"})  # a file from before seeds: seed 0
-    todo = bench_time_to_accuracy.runs_to_do(kept, ["block_shared", "block_auto", "dense"],
+    todo = tta_figures.runs_to_do(kept, ["block_shared", "block_auto", "dense"],
                                              [0, 1, 2], ["block_auto", "dense"])
     # seed by seed, dense first (it sets the seed's target), kept shared runs not repeated
     assert todo == [(0, "dense"), (0, "block_auto"), (1, "dense"), (1, "block_auto"),
                     (2, "dense"), (2, "block_shared"), (2, "block_auto")]
-    assert bench_time_to_accuracy.runs_to_do(kept, ["dense", "block_shared"], [0, 1], []) == []
+    assert tta_figures.runs_to_do(kept, ["dense", "block_shared"], [0, 1], []) == []
 
 
 def test_spread_and_seed_list():
@@ -204,6 +204,6 @@ def test_resume_keeps_every_group_it_does_not_run():
                              "vgg_fc @ 1000 Mbit/s": old_budget,
                              "resnet20 @ 100 Mbit/s": {**new_budget, "rule": "c"}}}
     running = {"vgg_fc @ 1000 Mbit/s", "resnet20 @ 100 Mbit/s"}
-    assert bench_time_to_accuracy.kept_groups(old, running, lambda model: new_budget) == [
+    assert tta_figures.kept_groups(old, running, lambda model: new_budget) == [
         "vgg_fc @ 100 Mbit/s", "resnet20 @ 100 Mbit/s"]
-    assert bench_time_to_accuracy.kept_groups({}, running, lambda model: new_budget) == []
+    assert tta_figures.kept_groups({}, running, lambda model: new_budget) == []

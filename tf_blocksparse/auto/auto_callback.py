@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from tf_blocksparse.auto import link_probe
 from tf_blocksparse.keras.fit_loop import OptimizerCallback
-from tf_blocksparse.planning.exchange_cost import AutoExchange, ExchangeDecision
+from tf_blocksparse.planning.exchange_cost import AutoExchange
+from tf_blocksparse.planning.exchange_decision import ExchangeDecision
 
 __all__ = ["AutoExchangeCallback", "remeasure_gap"]
 

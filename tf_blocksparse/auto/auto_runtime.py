@@ -30,7 +30,8 @@ from tf_blocksparse.auto import mode_switch
 from tf_blocksparse.auto.auto_exchange import ExchangeChooser, can_measure
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.keras import inner_optimizer
-from tf_blocksparse.planning.exchange_cost import ExchangeDecision, merge_runs
+from tf_blocksparse.planning.exchange_cost import merge_runs
+from tf_blocksparse.planning.exchange_decision import ExchangeDecision
 
 __all__ = ["AutoExchangeRuntime"]
 

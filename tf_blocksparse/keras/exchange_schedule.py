@@ -22,7 +22,7 @@ from tf_blocksparse.fusion import FusionPlan
 from tf_blocksparse.fusion.forward_order import backward_ranks
 from tf_blocksparse.keras import dense_phase, local_steps
 from tf_blocksparse.keras import optimizer_step as step
-from tf_blocksparse.planning.exchange_cost import ExchangeDecision
+from tf_blocksparse.planning.exchange_decision import ExchangeDecision
 
 __all__ = ["ExchangeSchedule"]
 

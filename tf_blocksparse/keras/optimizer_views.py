@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from tf_blocksparse.planning.exchange_cost import ExchangeDecision
+from tf_blocksparse.planning.exchange_decision import ExchangeDecision
 
 if TYPE_CHECKING:
     from tf_blocksparse.auto.auto_exchange import ExchangeChooser

@@ -3,8 +3,9 @@ the runtime that trains a plan.
 
 The planner (TensorFlow-free; what this package imports and exports):
 
-- :mod:`~tf_blocksparse.pipeline.plan`: pipeline plans (:class:`Stage`,
-  :class:`PipelinePlan`) and their cost model.
+- :mod:`~tf_blocksparse.pipeline.stage_cost`: a stage (:class:`Stage`) and the cost model
+  of one stage; :mod:`~tf_blocksparse.pipeline.plan`: pipeline plans
+  (:class:`PipelinePlan`) and their bottleneck.
 - :mod:`~tf_blocksparse.pipeline.partition`: the bandwidth-aware planner
   (:func:`plan_pipeline`) with exhaustive and brute-force checks.
 - :mod:`~tf_blocksparse.pipeline.pipedream` (PipeDream's hierarchical planner) and

@@ -17,8 +17,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .plan import PipelinePlan, make_plan, stage_time
+from .plan import PipelinePlan, make_plan
 from .profile import ModelProfile
+from .stage_cost import stage_time
 from .topology import Topology
 
 __all__ = ["plan_bruteforce", "plan_exhaustive", "plan_pipeline"]

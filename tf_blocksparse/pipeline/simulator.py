@@ -29,8 +29,9 @@ import heapq
 import math
 from collections import deque
 
-from .plan import PipelinePlan, evaluate_stages, validate_plan
+from .plan import PipelinePlan, validate_plan
 from .profile import ModelProfile
+from .stage_cost import evaluate_stages
 from .topology import Topology
 
 __all__ = ["schedule_order", "simulate_pipeline"]

@@ -21,7 +21,8 @@ here:
   (collectives as ``latency + bytes * seconds_per_byte``, each mode's collectives per step)
   and the mode names.
 - :mod:`~tf_blocksparse.planning.exchange_cost`: the automatic exchange's policy over
-  measured collective and compression times.
+  measured collective and compression times; :mod:`~tf_blocksparse.planning.exchange_decision`:
+  what it decided.
 - :mod:`~tf_blocksparse.planning.scaling`: the cost model's links derived from Hockney's
   alpha-beta ring model, and each mode's exchange time on them.
 - :mod:`~tf_blocksparse.planning.projection`: the projected scaling efficiency of a mode

@@ -32,6 +32,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tf_blocksparse.planning.exchange_decision import ExchangeDecision
 from tf_blocksparse.planning.link_cost import (
     EXCHANGES,
     SPARSE_EXCHANGES,
@@ -52,50 +53,6 @@ __all__ = ["CANDIDATES", "AutoExchange", "ExchangeDecision", "GroupCost", "LinkC
 CANDIDATES = (EXCHANGES[-1], *SPARSE_EXCHANGES)
 #: Default extra steps of a fully sparse exchange per mode (module docstring).
 _CONVERGENCE_COST = {"allgather": 0.5, "shared": 0.8}
-
-
-@dataclasses.dataclass(frozen=True)
-class ExchangeDecision:
-    """What :meth:`AutoExchange.decide` chose and from what.
-
-    Attributes:
-      modes: Per fusion group, ``"dense"``, ``"allgather"`` or ``"shared"``.
-      link: The measured collective costs.
-      groups: The groups' sizes and compression times.
-      compute_s: Measured time per step outside the exchange (0 when not yet known).
-      step_s: Predicted step time with ``modes`` (compute + exchanges).
-      dense_step_s: Predicted step time with every group dense.
-      objective_s: Predicted time-to-accuracy proxy of ``modes`` (module docstring).
-      dense_objective_s: The same for all dense.
-    """
-
-    modes: tuple[str, ...]
-    link: LinkCost
-    groups: tuple[GroupCost, ...]
-    compute_s: float
-    step_s: float
-    dense_step_s: float
-    objective_s: float
-    dense_objective_s: float
-
-    @property
-    def compress_s(self) -> float:
-        """Measured compression seconds per step of the sparse groups."""
-        return math.fsum(g.compress_s for g, m in zip(self.groups, self.modes) if m != "dense")
-
-    def summary(self) -> dict[str, float]:
-        """Flat figures for logs and TensorBoard."""
-        return {
-            "auto_sparse_groups": float(sum(m != "dense" for m in self.modes)),
-            "auto_dense_groups": float(sum(m == "dense" for m in self.modes)),
-            "auto_sum_latency_ms": 1e3 * self.link.sum_latency_s,
-            "auto_sum_mbit_s": min(self.link.sum_mbit_s, 1e9),
-            "auto_gather_latency_ms": 1e3 * self.link.gather_latency_s,
-            "auto_compute_ms": 1e3 * self.compute_s,
-            "auto_compress_ms": 1e3 * self.compress_s,
-            "auto_predicted_step_ms": 1e3 * self.step_s,
-            "auto_predicted_dense_step_ms": 1e3 * self.dense_step_s,
-        }
 
 
 @dataclasses.dataclass(frozen=True)
