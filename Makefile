@@ -145,6 +145,7 @@ bench-full: venv data
 	cp runs/vgg_local_tuning/convergence.json $(BENCH)/convergence_vgg_fc_local_tuning.json
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --out=runs/r20_long
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1 --methods=local_block --out=runs/r20_long
+	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0 --methods=local_dense --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --epochs=6 --repeats=3 --out=$(BENCH) && \
@@ -172,7 +173,7 @@ bench-full: venv data
 			--target_drop=0.005 \
 			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100 \
-			--methods=dense,block_default,local_block --target_drop=0.005 \
+			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
 			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
 		cp runs/local_wall/time_to_accuracy.json $(BENCH)/local_steps_wall_clock.json && \
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=10 \
@@ -180,7 +181,7 @@ bench-full: venv data
 			--target_drop=0.005 \
 			--timing_steps=32 --timing_epochs=2 --convergence=$(CURVES) --out=runs/local_wall_10 && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=10 \
-			--methods=dense,block_default,local_block --target_drop=0.005 \
+			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
 			--timing_steps=32 --timing_epochs=2 --convergence=$(CURVES) --out=runs/local_wall_10 && \
 		cp runs/local_wall_10/time_to_accuracy.json $(BENCH)/local_steps_wall_clock_10mbit.json; \
 	else echo "bench-full: backup and wall-clock benches skipped (need root for network namespaces)"; fi
