@@ -114,13 +114,35 @@ def test_embedding_one_block_per_row():
                                             (keras.layers.LSTM, 4, "LSTMCell")])
 def test_recurrent_kernels_one_block_per_output_column(cls, gates, cell):
     units, features = 4, 3
-    t = _table(_model((5, features), cls(units, name="rnn")))
+    model = _model((5, features), cls(units, name="rnn"))
+    t = _table(model)
     kernel = next(r for p, r in t.items() if p.endswith("/kernel") and "recurrent" not in p)
     recurrent = next(r for p, r in t.items() if p.endswith("/recurrent_kernel"))
     bias = next(r for p, r in t.items() if p.endswith("/bias"))
     _check(kernel, "output_channel", gates * units, features, cell)
     _check(recurrent, "output_channel", gates * units, units, cell)
     _check(bias, "element", math.prod(bias.shape), 1, cell)
+    assert all(lay.recurrent for lay in blocks.layouts_for(model.trainable_variables, model))
+
+
+def test_group_cost_counts_the_recurrent_layers_delayed_bytes():
+    """What the automatic exchange weighs by ``recurrent_cost``: the bytes of recurrent
+    layers' variables that a sparse mode delays (not those sent whole)."""
+    from tf_blocksparse.exchange_bytes import group_cost
+    from tf_blocksparse.feedback import BlockTopK
+    model = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(40, name="rnn"),
+                              keras.layers.Dense(30, name="fc")])
+    layouts = blocks.layouts_for(model.trainable_variables, model)
+    assert [lay.recurrent for lay in layouts] == [True, True, True, False, False]
+    f32 = ["float32"] * len(layouts)
+    cost = group_cost(BlockTopK(layouts, k=1, dense_below=1024), f32)
+    # GRU kernel 3x120 sent whole (< 1024 elements), recurrent kernel 40x120 delayed,
+    # bias whole; fc kernel 40x30 delayed
+    assert cost.recurrent_bytes == 4 * 40 * 120
+    assert cost.delayed_bytes == 4 * (40 * 120 + 40 * 30)
+    assert group_cost(BlockTopK(layouts, density=1.0, dense_below=0), f32).recurrent_bytes == 0
+    assert not blocks.rule_for("m/custom/kernel", (4, 8)).recurrent
+    assert blocks.rule_for("m/custom/recurrent_kernel", (4, 8)).recurrent
 
 
 class _Custom(keras.layers.Layer):

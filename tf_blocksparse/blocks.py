@@ -119,6 +119,12 @@ LAYER_RULES: dict[str, dict[str, BlockRule]] = {
     "SimpleRNN": _RNN_VARS,
 }
 
+#: The recurrent layer classes of the table: their weights are applied at every time step,
+#: and error feedback's delay of them costs more training steps than other layers' (the
+#: automatic exchange weighs their delayed bytes by ``AutoExchange.recurrent_cost``).
+RECURRENT_CLASSES = frozenset({"GRUCell", "LSTMCell", "SimpleRNNCell", "GRU", "LSTM",
+                               "SimpleRNN"})
+
 #: Last path component -> rule, for variables whose layer class is unknown.
 PATH_RULES: dict[str, BlockRule] = {
     "kernel": OUTPUT_CHANNEL, "depthwise_kernel": DEPTHWISE, "pointwise_kernel": OUTPUT_CHANNEL,
@@ -149,6 +155,13 @@ class BlockLayout:
     shape: tuple[int, ...]
     rule: BlockRule
     layer_class: str | None = None
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the variable belongs to a recurrent layer (:data:`RECURRENT_CLASSES`; a
+        ``recurrent_kernel`` of a layer not in the table counts too)."""
+        return self.layer_class in RECURRENT_CLASSES or \
+            self.path.rsplit("/", 1)[-1] == "recurrent_kernel"
 
     @property
     def _span(self) -> tuple[int, int]:

@@ -51,4 +51,5 @@ def group_cost(comp: BlockTopK, dtypes: Sequence[Any], compress_s: float = 0.0) 
         value_bytes=sum(quantize.value_nbytes(n, lay.block_size, comp.quantize, it)
                         for n, lay, it in parts),
         score_bytes=4 * sum(lay.num_blocks for _, lay, _ in parts),
-        compress_s=compress_s)
+        compress_s=compress_s,
+        recurrent_bytes=sum(lay.size * it for _, lay, it in parts if lay.recurrent))

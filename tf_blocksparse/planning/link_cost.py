@@ -155,6 +155,9 @@ class GroupCost:
       value_bytes: The kept blocks' values.
       score_bytes: Shared mode's score buffer (4 per block).
       compress_s: Measured accumulate + score + select + residual time.
+      recurrent_bytes: Of the delayed bytes (:attr:`delayed_bytes`), those of recurrent
+        layers' variables (:data:`tf_blocksparse.blocks.RECURRENT_CLASSES`), whose delay
+        costs more steps than others'.
     """
 
     dense_bytes: int
@@ -163,10 +166,14 @@ class GroupCost:
     value_bytes: int = 0
     score_bytes: int = 0
     compress_s: float = 0.0
+    recurrent_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             number(f.name, getattr(self, f.name))
+        if self.recurrent_bytes > self.delayed_bytes:
+            raise ValueError(f"`recurrent_bytes` ({self.recurrent_bytes}) must not exceed the "
+                             f"delayed bytes ({self.delayed_bytes})")
 
     @property
     def delayed_bytes(self) -> int:
@@ -194,7 +201,8 @@ def _join(a: GroupCost, b: GroupCost) -> GroupCost:
     flag = 4 if a.id_bytes and b.id_bytes else 0
     return GroupCost(a.dense_bytes + b.dense_bytes, a.whole_bytes + b.whole_bytes,
                      a.id_bytes + b.id_bytes - flag, a.value_bytes + b.value_bytes,
-                     a.score_bytes + b.score_bytes, a.compress_s + b.compress_s)
+                     a.score_bytes + b.score_bytes, a.compress_s + b.compress_s,
+                     a.recurrent_bytes + b.recurrent_bytes)
 
 
 def merge_runs(items: Sequence[T], modes: Sequence[str], join: Callable[[T, T], T]
