@@ -105,11 +105,13 @@ def load_arrays(dataset: str, model: str, data_dir: str | None = None,
 
 def _load(dataset: str, model: str, data_dir: str | None, tfds_data_dir: str | None,
           synthetic_shape: Sequence[int], train_samples: int, seed: int) -> Arrays:
-    if model == "gru_nmt":
+    from models import registry
+
+    if registry.is_sequence_model(model):
         from models import nmt
 
         if dataset not in ("toy_translation", "fashion_mnist"):
-            raise ValueError(f"`dataset`: gru_nmt trains on toy_translation, got {dataset!r}")
+            raise ValueError(f"`dataset`: {model} trains on toy_translation, got {dataset!r}")
         n = train_samples or 4000
         (enc, dec), tgt = nmt.make_toy_translation(n + 1000, seed=seed)
         vocab = int(max(enc.max(), tgt.max())) + 1

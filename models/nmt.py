@@ -72,8 +72,15 @@ def make_toy_translation(num_samples: int, seed: int, src_vocab: int = 16, max_l
     return (enc_in, dec_in), dec_target
 
 
+def lstm_nmt(src_vocab: int, tgt_vocab: int, embed_dim: int = 32, units: int = 64,
+             seed: int | None = None) -> keras.Model:
+    """:func:`gru_nmt` with LSTM layers (the decoder starts from the encoder's final
+    ``[h, c]``); the same task, inputs and outputs."""
+    return gru_nmt(src_vocab, tgt_vocab, embed_dim, units, seed, cell="lstm")
+
+
 def gru_nmt(src_vocab: int, tgt_vocab: int, embed_dim: int = 32, units: int = 64,
-            seed: int | None = None) -> keras.Model:
+            seed: int | None = None, cell: str = "gru") -> keras.Model:
     """GRU encoder-decoder with Luong (dot-product) attention, trained by teacher forcing.
 
     Encoder: ``Embedding(mask_zero=True)`` -> ``GRU(return_sequences, return_state)``.
@@ -92,21 +99,28 @@ def gru_nmt(src_vocab: int, tgt_vocab: int, embed_dim: int = 32, units: int = 64
       embed_dim: Embedding width.
       units: GRU width.
       seed: Optional seed for the initialisers (sets Keras' global random seed).
+      cell: ``"gru"`` or ``"lstm"`` (:func:`lstm_nmt`).
 
     Returns:
       An uncompiled ``keras.Model`` taking ``[enc_in [N, S], dec_in [N, T]]`` (int32) and
       returning logits [N, T, tgt_vocab].
+
+    Raises:
+      ValueError: ``cell`` is neither.
     """
+    if cell not in ("gru", "lstm"):
+        raise ValueError(f"`cell` must be 'gru' or 'lstm', got {cell!r}")
+    rnn = keras.layers.GRU if cell == "gru" else keras.layers.LSTM
     if seed is not None:
         keras.utils.set_random_seed(seed)
     enc_in = keras.Input((None,), dtype="int32", name="enc_in")
     dec_in = keras.Input((None,), dtype="int32", name="dec_in")
     enc_emb = keras.layers.Embedding(src_vocab, embed_dim, mask_zero=True,
                                      name="enc_embed")(enc_in)
-    enc_out, enc_state = keras.layers.GRU(units, return_sequences=True, return_state=True,
-                                          name="enc_gru")(enc_emb)
+    enc_out, *enc_state = rnn(units, return_sequences=True, return_state=True,
+                              name=f"enc_{cell}")(enc_emb)
     dec_emb = keras.layers.Embedding(tgt_vocab, embed_dim, name="dec_embed")(dec_in)
-    dec_out = keras.layers.GRU(units, return_sequences=True, name="dec_gru")(
+    dec_out = rnn(units, return_sequences=True, name=f"dec_{cell}")(
         dec_emb, initial_state=enc_state)
     enc_mask = ops.not_equal(enc_in, PAD)
     context = keras.layers.Attention(name="attention")([dec_out, enc_out],
@@ -116,7 +130,7 @@ def gru_nmt(src_vocab: int, tgt_vocab: int, embed_dim: int = 32, units: int = 64
                                  activation="tanh", name="attn_proj")(x)
     logits = keras.layers.EinsumDense("btu,uv->btv", (None, tgt_vocab), bias_axes="v",
                                       name="logits")(x)
-    return keras.Model([enc_in, dec_in], logits, name="gru_nmt")
+    return keras.Model([enc_in, dec_in], logits, name=f"{cell}_nmt")
 
 
 def masked_sparse_ce(y_true: keras.KerasTensor, y_pred: keras.KerasTensor

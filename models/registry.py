@@ -1,8 +1,8 @@
 """Model registry: the one place a network gets its name.
 
 Every launch script builds its models here, so a name means one network everywhere.  Image
-models take ``(input_shape, num_classes)`` and output logits.  The sequence model
-``gru_nmt`` reuses the same signature: ``input_shape = (src_vocab,)`` and
+models take ``(input_shape, num_classes)`` and output logits.  The sequence models
+``gru_nmt`` and ``lstm_nmt`` reuse the same signature: ``input_shape = (src_vocab,)`` and
 ``num_classes = tgt_vocab``.
 """
 
@@ -36,14 +36,15 @@ MODELS: dict[str, Callable[..., keras.Model]] = {
     "vgg_fc": _builder("vgg", "vgg_fc"),
     "cnn_small": _builder("cnn", "cnn_small"),
     "gru_nmt": _builder("nmt", "gru_nmt"),
+    "lstm_nmt": _builder("nmt", "lstm_nmt"),
     "cnn_bn": _builder("cnn", "cnn_bn"),
     "resnet50": _builder("applications", "resnet50"),
     "resnet101": _builder("applications", "resnet101"),
     "vgg16": _builder("applications", "vgg16"),
 }
-SEQUENCE_MODELS = frozenset({"gru_nmt"})
+SEQUENCE_MODELS = frozenset({"gru_nmt", "lstm_nmt"})
 #: Models that train on the launch data sets (28x28 Fashion-MNIST, 8x8 digits, ...).
-DATASET_MODELS = ("resnet20", "vgg_fc", "cnn_small", "gru_nmt")
+DATASET_MODELS = ("resnet20", "vgg_fc", "cnn_small", "gru_nmt", "lstm_nmt")
 #: ``keras.applications`` networks built for ImageNet-sized inputs by default.
 IMAGENET_MODELS = ("resnet50", "resnet101", "vgg16")
 

@@ -150,10 +150,11 @@ def test_gru_nmt_learns_with_block_sparse_exchange() -> None:
 
 
 def test_registry() -> None:
-    assert set(registry.MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt", "cnn_bn",
-                                    "resnet50", "resnet101", "vgg16"}
-    assert set(registry.DATASET_MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt"}
-    assert registry.is_sequence_model("gru_nmt")
+    assert set(registry.MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt", "lstm_nmt",
+                                    "cnn_bn", "resnet50", "resnet101", "vgg16"}
+    assert set(registry.DATASET_MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt",
+                                            "lstm_nmt"}
+    assert registry.is_sequence_model("gru_nmt") and registry.is_sequence_model("lstm_nmt")
     assert not any(registry.is_sequence_model(n) for n in IMAGE_MODELS)
     with pytest.raises(ValueError, match="no_such_net"):
         registry.build_model("no_such_net", (28, 28, 1), 10)
@@ -170,6 +171,20 @@ def test_cnn_bn_outputs_logits_and_trains() -> None:
     _compile(model, run_eagerly=True)
     x, y = _images((16, 16, 3))
     assert np.isfinite(model.fit(x, y, batch_size=8, epochs=1, verbose=0).history["loss"][0])
+
+
+def test_lstm_nmt_is_gru_nmt_with_lstm_layers() -> None:
+    """Same layers, inputs and outputs; the decoder LSTM starts from the encoder's [h, c]."""
+    gru = registry.build_model("gru_nmt", (12,), 12, seed=0, embed_dim=8, units=16)
+    lstm = registry.build_model("lstm_nmt", (12,), 12, seed=0, embed_dim=8, units=16)
+    assert lstm.name == "lstm_nmt" and lstm.output_shape == gru.output_shape
+    assert isinstance(lstm.get_layer("enc_lstm"), keras.layers.LSTM)
+    assert isinstance(lstm.get_layer("dec_lstm"), keras.layers.LSTM)
+    assert [v.shape for v in lstm.get_layer("dec_lstm").weights] == [(8, 64), (16, 64), (64,)]
+    (enc, dec), _ = nmt.make_toy_translation(4, seed=0, src_vocab=12, max_len=5)
+    assert lstm.predict([enc, dec], verbose=0).shape == (4, dec.shape[1], 12)
+    with pytest.raises(ValueError, match="cell"):
+        nmt.gru_nmt(12, 12, cell="rnn")
 
 
 def test_default_inputs_and_square_image_builds() -> None:
