@@ -112,8 +112,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "dataset", "fashion_mnist",
         "fashion_mnist (Debian's IDX files under --data_dir), digits (8x8, shipped in "
         "datasets/), tfds:NAME (a TFDS data set already in --tfds_data_dir), synthetic (random "
-        "data of --synthetic_shape, for throughput) or toy_translation (for gru_nmt; chosen "
-        "automatically for that model).", **fv)
+        "data of --synthetic_shape, for throughput) or toy_translation (for gru_nmt and "
+        "lstm_nmt; chosen automatically for those models).", **fv)
     flags.DEFINE_string("data_dir", "/usr/share/datasets/fashion-mnist",
                         "Directory of the Fashion-MNIST IDX files.", **fv)
     flags.DEFINE_string("tfds_data_dir", None, "TFDS data dir for tfds:NAME (no download).",

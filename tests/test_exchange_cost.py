@@ -87,30 +87,45 @@ def test_convergence_cost_per_mode_weighs_allgather_against_shared():
     assert one.get_config()["convergence_cost"] == {"allgather": 0.5, "shared": 1.0}
 
 
-def test_recurrent_layers_delay_counts_recurrent_cost_times():
-    """A sparse step 1.56x faster (gru_nmt's at 30 Mbit/s): worth it for convolutions and
-    dense layers (objective 1 + 0.5 * 0.96), not when 77% of the bytes are a GRU's
-    (1 + 0.5 * (0.96 + 2 * 0.77) = 2.25, gru_nmt's measured 2.26x dense's epochs)."""
+def test_recurrent_layers_stay_dense_unless_given_a_cost():
+    """A sparse step 1.56x (or 10x) faster: worth it for convolutions and dense layers, never
+    by default for a group delaying a recurrent layer's bytes; with ``recurrent_cost=3`` only
+    where a sparse step is more than 1 + 0.5 * (0.96 + 2 * 0.77) = 2.25x faster (gru_nmt's
+    measured 2.26x dense's epochs)."""
     link = LinkCost(0.0, 1e-8, 0.0, 1e-8)
     kw = {"dense_bytes": 191_808, "whole_bytes": 7_680, "id_bytes": 40, "value_bytes": 1_600}
-    compute = 0.0
-    dense_step = mode_seconds(link, GroupCost(**kw), "dense")
-    compute = (dense_step - 1.56 * mode_seconds(link, GroupCost(**kw), "allgather")) / 0.56
     conv, gru = GroupCost(**kw), GroupCost(**kw, recurrent_bytes=147_456)
+    dense_step, sparse_step = (mode_seconds(link, conv, m) for m in ("dense", "allgather"))
+
+    def compute_for(speedup):  # the compute that makes a sparse step `speedup` x faster
+        return (dense_step - speedup * sparse_step) / (speedup - 1)
+
     policy = AutoExchange()
-    assert policy.recurrent_cost == 3.0
-    assert policy.decide(link, [conv], compute).modes == ("allgather",)
-    d = policy.decide(link, [gru], compute)
-    assert d.modes == ("dense",)
-    sparse = policy.decision_for(link, [gru], compute, ["allgather"])
+    assert policy.recurrent_cost is None
+    for speedup in (1.56, 10.0):
+        assert policy.decide(link, [conv], compute_for(speedup)).modes == ("allgather",)
+        assert policy.decide(link, [gru], compute_for(speedup)).modes == ("dense",)
+    # with other groups: only the one holding the recurrent layer stays dense
+    d = policy.decide(link, [conv, gru, conv], compute_for(10.0))
+    assert d.modes == ("allgather", "dense", "allgather")
+    # a finite cost: 3.0 weighs the GRU's 77% of the bytes three times
+    three = AutoExchange(recurrent_cost=3.0)
+    assert three.decide(link, [gru], compute_for(1.56)).modes == ("dense",)
+    assert three.decide(link, [gru], compute_for(2.4)).modes == ("allgather",)
+    sparse = three.decision_for(link, [gru], compute_for(1.56), ["allgather"])
     assert sparse.objective_s / sparse.step_s == pytest.approx(
         1 + 0.5 * (184_128 + 2 * 147_456) / 191_808)
     assert sparse.dense_step_s / sparse.step_s == pytest.approx(1.56)
-    # recurrent_cost=1: a recurrent layer's delay is any layer's
-    same = AutoExchange(recurrent_cost=1.0)
-    assert same.decide(link, [gru], compute).modes == ("allgather",)
+    same = AutoExchange(recurrent_cost=1.0)  # a recurrent layer's delay is any layer's
+    assert same.decide(link, [gru], compute_for(1.56)).modes == ("allgather",)
     assert same.weighted_delay(gru) == gru.delayed_bytes == 184_128
-    assert AutoExchange.from_config(same.get_config()) == same
+    # nothing to avoid without a dense candidate; a zero convergence cost ignores delay
+    assert AutoExchange(candidates=("allgather",)).decide(
+        link, [gru], compute_for(1.56)).modes == ("allgather",)
+    assert AutoExchange(convergence_cost=0.0).decide(
+        link, [gru], compute_for(1.56)).modes != ("dense",)
+    for p in (three, same, policy):
+        assert AutoExchange.from_config(p.get_config()) == p
     legacy = {k: v for k, v in AutoExchange().get_config().items() if k != "recurrent_cost"}
     assert AutoExchange.from_config(legacy) == AutoExchange()  # configs saved before it
     with pytest.raises(ValueError, match="recurrent_bytes"):
@@ -232,17 +247,20 @@ _links = st.builds(LinkCost, st.floats(0, 1e-2), st.floats(0, 1e-7), st.floats(0
 
 
 @settings(max_examples=200, deadline=None)
-@given(_links, _groups, st.floats(0, 1.0), st.floats(0, 2.0), st.floats(0, 5.0))
+@given(_links, _groups, st.floats(0, 1.0), st.floats(0, 2.0),
+       st.one_of(st.none(), st.floats(0, 5.0)))
 def test_choice_is_never_predicted_worse_than_all_dense_or_all_sparse(link, groups, compute,
                                                                       cost, recurrent):
     policy = AutoExchange(convergence_cost=cost, hysteresis=0.0, recurrent_cost=recurrent)
+    weight = float("inf") if recurrent is None else recurrent
     d = policy.decide(link, groups, compute)
     total = sum(g.dense_bytes for g in groups)
     for modes in (["dense"] * len(groups), ["allgather"] * len(groups),
                   ["shared"] * len(groups)):
         step = compute + exchange_seconds(link, groups, modes)
-        delayed = sum(g.delayed_bytes + (recurrent - 1) * g.recurrent_bytes
-                      for g, m in zip(groups, modes) if m != "dense")
+        delayed = sum(0.0 if not cost else
+                      g.delayed_bytes + (weight - 1) * g.recurrent_bytes if g.recurrent_bytes
+                      else g.delayed_bytes for g, m in zip(groups, modes) if m != "dense")
         assert d.objective_s <= step * (1 + cost * delayed / total) * (1 + 1e-9)
     assert d.objective_s <= d.dense_objective_s * (1 + 1e-9)
     assert d.step_s >= compute

@@ -13,7 +13,8 @@ same accuracy.  The decision therefore minimises the *time to accuracy*, not the
     (compute + sum_g cost_g) * (1 + sum_g convergence_cost[mode_g] * f_g)
 
 summed over the sparse groups, with ``f`` a group's share of the gradient bytes (its
-recurrent layers' bytes counted ``recurrent_cost`` times: their delay costs more steps) and
+recurrent layers' bytes counted ``recurrent_cost`` times, by default infinitely often: their
+delay costs far more steps) and
 ``convergence_cost`` the extra steps a fully sparse run in the group's mode needs.  The
 modes differ: with ``allgather`` every replica's own top blocks arrive (up to ``N k`` blocks
 per step), with ``shared`` only the ``k`` blocks of the summed scores.  Our 4-worker
@@ -98,13 +99,15 @@ class AutoExchange:
         for factors between about 23 and 40.  A build-time choice that the measured time
         overturns costs a re-trace.  ``AutoExchangeCallback``
         replaces it with the measured time after ``warmup_steps``.
-      recurrent_cost: Recurrent layers' delayed bytes count this many times in the
-        convergence cost (>= 0; 1: like any other layer's).  Measured on ``gru_nmt`` (4
-        replicas, 20 epochs): k=1 everywhere needs 2.26x dense's epochs to the converged
-        target, k=1 with the GRU layers sent whole reaches it in dense's epochs, and k=1 on
-        the GRU layers alone (the rest sent whole) does not reach it in 20 epochs; the GRU
-        layers hold 77% of the bytes, so their delay costs about 1.26 / (0.5 * 0.77) = 3.3
-        times a convolution's or dense layer's (3.0 by default).
+      recurrent_cost: How many times recurrent layers' delayed bytes count in the
+        convergence cost (>= 0; 1: like any other layer's), or ``None`` (the default): a
+        sparse mode never delays them, so a group holding recurrent layers' compressed
+        variables stays dense (if ``"dense"`` is a candidate).  Measured (4 replicas,
+        20 epochs, the converged target): ``gru_nmt`` with k=1 everywhere needs 2.26x
+        dense's epochs, with the GRU layers sent whole dense's epochs, and with k=1 on the
+        GRU layers alone it does not get there; ``lstm_nmt`` with k=1 ends at 0.48 token
+        accuracy against dense's 1.00, so no finite cost prices it.  For ``gru_nmt`` alone
+        3.0 would fit (its GRU layers hold 77% of the bytes: 1.26 / (0.5 * 0.77) = 3.3).
 
     Raises:
       ValueError: A bad value, naming the argument.
@@ -120,7 +123,7 @@ class AutoExchange:
     measure_budget: float | None = 0.01
     hysteresis: float = 0.05
     compute_prior: float = 30.0
-    recurrent_cost: float = 3.0
+    recurrent_cost: float | None = None
 
     def __post_init__(self) -> None:
         cands = self.candidates
@@ -162,7 +165,8 @@ class AutoExchange:
         if number("hysteresis", self.hysteresis) >= 1:
             raise ValueError(f"`hysteresis` must be in [0, 1), got {self.hysteresis!r}")
         number("compute_prior", self.compute_prior)
-        number("recurrent_cost", self.recurrent_cost)
+        if self.recurrent_cost is not None:
+            number("recurrent_cost", self.recurrent_cost)
 
     def decide(self, link: LinkCost, groups: Sequence[GroupCost], compute_s: float = 0.0,
                current: Sequence[str] | None = None, *, hysteresis: bool = True,
@@ -188,8 +192,6 @@ class AutoExchange:
         if steps_left is not None:
             steps_left = number("steps_left", steps_left)
         sparse = [m for m in self.candidates if m in SPARSE_EXCHANGES]
-        cost = self.convergence_cost_of
-
         def evaluate(modes: Sequence[str]) -> tuple[float, float]:
             return self._step_and_objective(link, groups, compute_s, modes)
 
@@ -210,7 +212,7 @@ class AutoExchange:
                          for g, m in zip(groups, own)]
                 order = sorted((i for i in range(len(groups)) if saved[i] > 0),
                                key=lambda i: -saved[i] / max(
-                                   1e-12, cost(own[i]) * self.weighted_delay(groups[i])))
+                                   1e-12, self.delay_cost(groups[i], own[i])))
                 best, modes = list(dense_modes), list(dense_modes)
                 for i in order:
                     modes[i] = own[i]
@@ -255,8 +257,7 @@ class AutoExchange:
         (module docstring)."""
         step = compute_s + exchange_seconds(link, groups, modes)
         total = max(1, sum(g.dense_bytes for g in groups))
-        delayed = math.fsum(self.convergence_cost_of(m) * self.weighted_delay(g)
-                            for g, m in zip(groups, modes) if m != "dense")
+        delayed = math.fsum(self.delay_cost(g, m) for g, m in zip(groups, modes))
         return step, step * (1 + delayed / total)
 
     @property
@@ -271,8 +272,19 @@ class AutoExchange:
 
     def weighted_delay(self, group: GroupCost) -> float:
         """``group``'s delayed bytes with its recurrent layers' weighted by
-        ``recurrent_cost``."""
+        ``recurrent_cost`` (infinite if it is ``None`` and the group delays some, where
+        ``"dense"`` is a candidate; with no dense candidate, counted once)."""
+        if self.recurrent_cost is None and "dense" not in self.candidates:
+            return float(group.delayed_bytes)
+        if self.recurrent_cost is None:
+            return math.inf if group.recurrent_bytes else float(group.delayed_bytes)
         return group.delayed_bytes + (self.recurrent_cost - 1.0) * group.recurrent_bytes
+
+    def delay_cost(self, group: GroupCost, mode: str) -> float:
+        """``group``'s weighted delayed bytes times ``mode``'s convergence cost (0 for
+        ``"dense"`` or a cost of 0)."""
+        cost = self.convergence_cost_of(mode)
+        return cost * self.weighted_delay(group) if cost else 0.0
 
     def convergence_cost_of(self, mode: str) -> float:
         """The convergence cost of ``mode`` (0 for ``"dense"``)."""
