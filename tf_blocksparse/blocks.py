@@ -119,11 +119,8 @@ LAYER_RULES: dict[str, dict[str, BlockRule]] = {
     "SimpleRNN": _RNN_VARS,
 }
 
-#: The recurrent layer classes of the table: their weights are applied at every time step,
-#: and error feedback's delay of them costs more training steps than other layers' (the
-#: automatic exchange weighs their delayed bytes by ``AutoExchange.recurrent_cost``).
-RECURRENT_CLASSES = frozenset({"GRUCell", "LSTMCell", "SimpleRNNCell", "GRU", "LSTM",
-                               "SimpleRNN"})
+#: Recurrent layer classes: delaying them costs far more steps (``AutoExchange``).
+RECURRENT_CLASSES = frozenset(c for c, rules in LAYER_RULES.items() if rules is _RNN_VARS)
 
 #: Last path component -> rule, for variables whose layer class is unknown.
 PATH_RULES: dict[str, BlockRule] = {
@@ -158,10 +155,9 @@ class BlockLayout:
 
     @property
     def recurrent(self) -> bool:
-        """Whether the variable belongs to a recurrent layer (:data:`RECURRENT_CLASSES`; a
-        ``recurrent_kernel`` of a layer not in the table counts too)."""
+        """Whether it is a recurrent layer's (or any ``recurrent_kernel``)."""
         return self.layer_class in RECURRENT_CLASSES or \
-            self.path.rsplit("/", 1)[-1] == "recurrent_kernel"
+            self.path.split("/")[-1] == "recurrent_kernel"
 
     @property
     def _span(self) -> tuple[int, int]:
@@ -319,8 +315,5 @@ def layouts_for(variables: Iterable[Any], model: Any = None,
       owners: Optional ``{id(variable): layer}`` (used where ``model`` does not say).
     """
     owners = {**(owners or {}), **(_variable_owners(model) if model is not None else {})}
-    out = []
-    for v in variables:
-        path = getattr(v, "path", None) or v.name.split(":")[0]
-        out.append(rule_for(path, tuple(v.shape), owners.get(id(v)), overrides))
-    return out
+    return [rule_for(getattr(v, "path", None) or v.name.split(":")[0], tuple(v.shape),
+                     owners.get(id(v)), overrides) for v in variables]
