@@ -183,6 +183,28 @@ def test_one_candidate_is_used_everywhere_and_nothing_is_measured(mirrored2, can
     assert [type(c) for c in tfbs.fit_callbacks(model)] == [tfbs.AutoExchangeCallback]
 
 
+def test_a_recurrent_model_stays_dense_and_nothing_is_measured(mirrored2):
+    """Under the default policy every group delaying a recurrent layer's bytes stays dense,
+    so a single-group recurrent model has nothing to decide: it trains dense from the first
+    step, measuring nothing (no decision, no probes, no re-trace)."""
+    with mirrored2.scope():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(40),
+                                  keras.layers.Dense(4)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
+        model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).standard_normal((48, 5, 3)).astype("float32")
+    callback = tfbs.AutoExchangeCallback()
+    model.fit(x, (x[:, 0, 0] > 0).astype("int32"), batch_size=8, epochs=2, verbose=0,
+              callbacks=[callback])
+    chooser = opt.exchange_chooser
+    assert chooser.modes == ["dense"] * len(chooser.groups)
+    assert opt.exchange_decision is None and callback.decisions == []
+    assert chooser._probe_cache == {} and chooser.measure_s < 0.05
+    m = opt.block_sparse_metrics()
+    assert m["payload_bytes"] == m["dense_bytes"]
+
+
 def test_measure_exchange_needs_cross_replica_context(mirrored2):
     with mirrored2.scope():
         var = keras.Variable(np.ones((40, 30), "float32"), name="w")

@@ -108,6 +108,9 @@ def test_recurrent_layers_stay_dense_unless_given_a_cost():
     # with other groups: only the one holding the recurrent layer stays dense
     d = policy.decide(link, [conv, gru, conv], compute_for(10.0))
     assert d.modes == ("allgather", "dense", "allgather")
+    assert policy.stays_dense([gru, gru]) and not policy.stays_dense([conv, gru])
+    assert not AutoExchange(recurrent_cost=3.0).stays_dense([gru])
+    assert not AutoExchange(candidates=("allgather", "shared")).stays_dense([gru])
     # a finite cost: 3.0 weighs the GRU's 77% of the bytes three times
     three = AutoExchange(recurrent_cost=3.0)
     assert three.decide(link, [gru], compute_for(1.56)).modes == ("dense",)

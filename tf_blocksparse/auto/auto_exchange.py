@@ -103,11 +103,13 @@ class ExchangeChooser:
         self.compressors = list(compressors)
         self.dtypes = [list(d) for d in dtypes]
         self._group_of = {i: gi for gi, g in enumerate(self.groups) for i in g}
-        self.modes = [fallback_mode(policy, strategy.num_replicas_in_sync)] * len(self.groups)
-        self.decision: ExchangeDecision | None = None
-        self._probe_cache: dict = {}  # traced compression probes, per group
         # the groups' byte sizes per mode (static), without compression times
         self._untimed = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
+        first = "dense" if policy.stays_dense(self._untimed) else \
+            fallback_mode(policy, strategy.num_replicas_in_sync)
+        self.modes = [first] * len(self.groups)
+        self.decision: ExchangeDecision | None = None
+        self._probe_cache: dict = {}  # traced compression probes, per group
         self._compress_s: list[float] | None = None  # agreed, since the last link probes
         self.measure_s = 0.0
 
@@ -146,8 +148,9 @@ class ExchangeChooser:
 
         Returns:
           The decision; ``None``, with nothing measured, where there is no choice: with a
-          single replica (every group dense) or a policy of one candidate (every group in
-          it).
+          single replica (every group dense), a policy of one candidate (every group in
+          it) or one under which every group stays dense
+          (:meth:`~tf_blocksparse.planning.exchange_cost.AutoExchange.stays_dense`).
         """
         start = time.perf_counter()
         try:
@@ -161,6 +164,9 @@ class ExchangeChooser:
         if strategy.num_replicas_in_sync <= 1 or policy.pinned:
             self.set_modes([fallback_mode(policy, strategy.num_replicas_in_sync)]
                            * len(self.groups))
+            return None
+        if policy.stays_dense(self._untimed):  # every group holds recurrent layers
+            self.set_modes(["dense"] * len(self.groups))
             return None
         measured = compute_s is not None
         with strategy.scope():

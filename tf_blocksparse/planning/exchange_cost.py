@@ -270,6 +270,11 @@ class AutoExchange:
         ``compute_prior`` times the groups' summed compression seconds."""
         return self.compute_prior * math.fsum(g.compress_s for g in groups)
 
+    def stays_dense(self, groups: Sequence[GroupCost]) -> bool:
+        """Whether every group stays dense whatever is measured: each delays recurrent
+        layers' bytes under ``recurrent_cost=None`` (nothing to measure or decide)."""
+        return all(math.isinf(self.weighted_delay(g)) for g in groups)
+
     def weighted_delay(self, group: GroupCost) -> float:
         """``group``'s delayed bytes with its recurrent layers' weighted by
         ``recurrent_cost`` (infinite if it is ``None`` and the group delays some, where
