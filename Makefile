@@ -122,6 +122,7 @@ bench-full: venv data
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_dense_below_512
+	$(CONVERGE) --models=lstm_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=resnet20 --epochs=12 --seeds=0,1,2
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0,1,2
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0 --methods=block_allgather --density=0.03
@@ -144,7 +145,7 @@ bench-full: venv data
 		--out=runs/vgg_local_tuning
 	cp runs/vgg_local_tuning/convergence.json $(BENCH)/convergence_vgg_fc_local_tuning.json
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --out=runs/r20_long
-	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1 --methods=local_block --out=runs/r20_long
+	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --methods=local_block --out=runs/r20_long
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0 --methods=local_dense --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
@@ -152,9 +153,13 @@ bench-full: venv data
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --convergence=$(CURVES) \
 			--check=gru_nmt:100:block_default:0 --out=$(BENCH) && \
-		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=30,300 \
+		$(PY) -m launch.bench_wall_clock --models=gru_nmt,lstm_nmt --bandwidths_mbit=30,300 \
 			--methods=dense,block_default,block_auto_default \
 			--convergence=$(CURVES) --out=$(BENCH) && \
+		$(PY) -m launch.bench_wall_clock --models=gru_nmt,lstm_nmt --bandwidths_mbit=30,300 \
+			--methods=dense,block_auto_default --timing_repeats=3 \
+			--convergence=$(CURVES) --out=runs/wall_rep_rnn && \
+		cp runs/wall_rep_rnn/time_to_accuracy.json $(BENCH)/time_to_accuracy_recurrent.json && \
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --out=$(BENCH) \
 			--convergence=$(CURVES) && \
