@@ -205,6 +205,32 @@ def test_a_recurrent_model_stays_dense_and_nothing_is_measured(mirrored2):
     assert m["payload_bytes"] == m["dense_bytes"]
 
 
+def test_a_fixed_sparse_exchange_on_recurrent_layers_warns():
+    """Compressing a recurrent layer's gradients is allowed but warned about (it did not
+    converge on lstm_nmt); the automatic exchange, dense, local steps and variables sent
+    whole do not warn."""
+    import warnings
+
+    from tf_blocksparse.checks import RecurrentCompressionWarning
+
+    def build(**kwargs):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(40, name="rnn"),
+                                  keras.layers.Dense(4, name="fc")])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), **kwargs)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.build(model.trainable_variables)
+        return [w for w in seen if issubclass(w.category, RecurrentCompressionWarning)]
+
+    warned = build(exchange="allgather")
+    assert len(warned) == 1 and "recurrent_kernel" in str(warned[0].message)
+    assert "exchange='auto'" in str(warned[0].message)
+    for kwargs in ({}, {"exchange": "dense"}, {"exchange": "allgather", "sync_every": 4},
+                   {"exchange": "shared", "block_rules": {"rnn": "single"}}):
+        assert build(**kwargs) == [], kwargs
+
+
 def test_measure_exchange_needs_cross_replica_context(mirrored2):
     with mirrored2.scope():
         var = keras.Variable(np.ones((40, 30), "float32"), name="w")

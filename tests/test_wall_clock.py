@@ -8,6 +8,7 @@ import pytest
 
 from launch import bench_wall_clock as bw
 from launch import convergence_curves as cc
+from launch import experiments
 from launch import wall_clock_compose as wc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,17 +112,20 @@ def test_run_configs_render_the_committed_runs_flags():
         [str(ROOT / base)] + [f"{model}={ROOT / entry['file']}"
                               for model, entry in doc["budget"]["convergence"].items()
                               if entry["file"] != base])
-    runs = [(t["method"], t["model"], t["record"]["flags"], {}) for t in doc["timings"]]
+    runs = [(t["method"], t["model"], t["bandwidth_mbit"], t["record"]["flags"], {})
+            for t in doc["timings"]]
     for check in doc["checks"]:
-        model, _, method, _ = check["run"].split(":")
-        runs.append((method, model, check["flags"],
+        model, rate, method, _ = check["run"].split(":")
+        runs.append((method, model, float(rate), check["flags"],
                      {"stop_at_accuracy": check["target"], "test_samples": 0}))
     assert len(runs) > 10
-    for method, model, recorded, extra in runs:
+    for method, model, rate, recorded, extra in runs:
         config = bw._train_config(
             method, model, budgets[model], recorded["epochs"], recorded["steps_per_epoch"],
             recorded["seed"], doc["budget"]["setup"]["density"], **extra).replace(
             strategy="multiworker", model_dir=recorded["model_dir"], deterministic=True)
+        if rate < experiments.SLOW_LINK_MBIT:  # what run_training adds on a slow link
+            config = config.replace(heartbeat_timeout_s=experiments.SLOW_LINK_HEARTBEAT_S)
         got = config.flag_values()
         assert {k: got[k] for k in recorded} == recorded, (model, method)
 

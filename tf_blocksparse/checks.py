@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -121,3 +122,23 @@ def validate_dense_steps(dense_steps: Any) -> int:
         raise ValueError(f"`dense_steps` must be an int >= 0 (optimizer steps), got "
                          f"{dense_steps!r}")
     return dense_steps
+
+
+class RecurrentCompressionWarning(UserWarning):
+    """A fixed sparse exchange delays recurrent layers' gradients."""
+
+
+def warn_compressed_recurrent(layouts: Sequence[blocks.BlockLayout], dense_below: int) -> None:
+    """Warns (:class:`RecurrentCompressionWarning`) when a fixed sparse exchange compresses
+    recurrent layers' variables (those not sent whole by ``dense_below``): with k=1 our GRU
+    translation task needs 2.3x dense's epochs and its LSTM twin never converges (0.48 token
+    accuracy against 1.00), while the automatic exchange keeps them dense."""
+    names = [lay.path for lay in layouts if lay.recurrent and lay.size >= dense_below
+             and lay.num_blocks > 1]
+    if names:
+        warnings.warn(
+            f"the sparse exchange compresses recurrent layers' variables {names}: error "
+            "feedback's delay of them slows or stops convergence (k=1 on an LSTM translation "
+            "model never converged). Use exchange='auto' (the default), which keeps them "
+            "dense, or send them whole with block_rules={'<their path>': 'single'} and "
+            "momentum_masking='none'", RecurrentCompressionWarning, stacklevel=3)

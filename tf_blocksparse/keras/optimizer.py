@@ -28,7 +28,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_blocksparse import _compat, blocks
+from tf_blocksparse import _compat, blocks, checks
 from tf_blocksparse.feedback import BlockTopK, compressor_for
 from tf_blocksparse.keras import (
     inner_optimizer,
@@ -189,6 +189,8 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
         self.inner_optimizer.build(var_list)
         owners = None if self._model is not None else discover_owners(var_list)
         self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules, owners)
+        if self.compression.sparse and not self.compression.auto and self._local is None:
+            checks.warn_compressed_recurrent(self.layouts, self.dense_below)
         self._unit_axes = [layout_unit_axes(lay) for lay in self.layouts]  # AGC = blocks
         self._schedule.build(var_list, self._model)
         state = create_state(
