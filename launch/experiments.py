@@ -78,6 +78,16 @@ SLOW_LINK_MBIT = 100.0
 SLOW_LINK_HEARTBEAT_S = 600.0
 
 
+def for_link(config: TrainConfig, bandwidth_mbit: float | None) -> TrainConfig:
+    """``config`` as :func:`run_training` runs it on a link of ``bandwidth_mbit`` (``None``:
+    loopback): below :data:`SLOW_LINK_MBIT` with ``--heartbeat_timeout_s`` of
+    :data:`SLOW_LINK_HEARTBEAT_S` unless the config sets one."""
+    if (bandwidth_mbit is not None and bandwidth_mbit < SLOW_LINK_MBIT
+            and config.heartbeat_timeout_s is None):
+        return config.replace(heartbeat_timeout_s=SLOW_LINK_HEARTBEAT_S)
+    return config
+
+
 def run_training(method: str, config: TrainConfig, num_workers: int,
                  bandwidth_mbit: float | None = None, latency_ms: float | None = None,
                  timeout_s: float = 0.0, log: bool = False,
@@ -104,10 +114,8 @@ def run_training(method: str, config: TrainConfig, num_workers: int,
     from launch.cluster.local import run_local_cluster
 
     with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
-        run = config.replace(strategy="multiworker", model_dir=tmp, deterministic=True)
-        if (bandwidth_mbit is not None and bandwidth_mbit < SLOW_LINK_MBIT
-                and run.heartbeat_timeout_s is None):
-            run = run.replace(heartbeat_timeout_s=SLOW_LINK_HEARTBEAT_S)
+        run = for_link(config.replace(strategy="multiworker", model_dir=tmp,
+                                      deterministic=True), bandwidth_mbit)
         cmd = [*TRAIN, *run.to_flags()]
         # the workers count their wall clock from here (launch/callbacks.launch_seconds)
         kwargs: dict = {"env": {"TFBS_LAUNCH_TIME": repr(time.time())}}

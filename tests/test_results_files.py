@@ -8,6 +8,7 @@ import pytest
 
 from launch import results_tables
 from launch.bench_time_to_accuracy import aggregate
+from models import registry
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "benchmarks", "results")
@@ -75,7 +76,7 @@ def _check_convergence_rows(rows: list[dict]) -> None:
             == len(r["test_examples"]) >= 1
         for acc, correct, n in zip(r["final_accuracy"], r["test_correct"], r["test_examples"]):
             assert acc == round(correct / n, 4)  # every test example counted once
-            if r["model"] not in ("gru_nmt", "lstm_nmt"):  # these count target tokens
+            if not registry.is_sequence_model(r["model"]):  # these count target tokens
                 assert n == 10_000
         assert {"mean", "std", "bytes_per_step", "dense_bytes_per_step"} <= set(r)
         if any((d["model"], d["method"]) == (r["model"], "dense") for d in rows):

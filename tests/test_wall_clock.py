@@ -120,12 +120,10 @@ def test_run_configs_render_the_committed_runs_flags():
                      {"stop_at_accuracy": check["target"], "test_samples": 0}))
     assert len(runs) > 10
     for method, model, rate, recorded, extra in runs:
-        config = bw._train_config(
+        config = experiments.for_link(bw._train_config(
             method, model, budgets[model], recorded["epochs"], recorded["steps_per_epoch"],
             recorded["seed"], doc["budget"]["setup"]["density"], **extra).replace(
-            strategy="multiworker", model_dir=recorded["model_dir"], deterministic=True)
-        if rate < experiments.SLOW_LINK_MBIT:  # what run_training adds on a slow link
-            config = config.replace(heartbeat_timeout_s=experiments.SLOW_LINK_HEARTBEAT_S)
+            strategy="multiworker", model_dir=recorded["model_dir"], deterministic=True), rate)
         got = config.flag_values()
         assert {k: got[k] for k in recorded} == recorded, (model, method)
 

@@ -128,13 +128,15 @@ class RecurrentCompressionWarning(UserWarning):
     """A fixed sparse exchange delays recurrent layers' gradients."""
 
 
-def warn_compressed_recurrent(layouts: Sequence[blocks.BlockLayout], dense_below: int) -> None:
-    """Warns (:class:`RecurrentCompressionWarning`) when a fixed sparse exchange compresses
-    recurrent layers' variables (those not sent whole by ``dense_below``): with k=1 our GRU
-    translation task needs 2.3x dense's epochs and its LSTM twin never converges (0.48 token
-    accuracy against 1.00), while the automatic exchange keeps them dense."""
-    names = [lay.path for lay in layouts if lay.recurrent and lay.size >= dense_below
-             and lay.num_blocks > 1]
+def warn_compressed_recurrent(compressor: Any) -> None:
+    """Warns (:class:`RecurrentCompressionWarning`) when ``compressor`` (a
+    :class:`~tf_blocksparse.feedback.BlockTopK`) delays recurrent layers' variables: keeps
+    fewer than all blocks of one it does not send whole.  With k=1 our GRU translation task
+    needs 2.3x dense's epochs and its LSTM twin never converges (0.48 token accuracy against
+    1.00), while the automatic exchange keeps them dense."""
+    names = [lay.path for lay, whole, kept in zip(compressor.layouts, compressor.whole,
+                                                  compressor.counts)
+             if lay.recurrent and not whole and kept < lay.num_blocks]
     if names:
         warnings.warn(
             f"the sparse exchange compresses recurrent layers' variables {names}: error "

@@ -59,10 +59,12 @@ def can_measure() -> bool:
                                        or tf.distribute.in_cross_replica_context())
 
 
-def fallback_mode(policy: AutoExchange, replicas: int) -> str:
+def fallback_mode(policy: AutoExchange, replicas: int,
+                  groups: Sequence[GroupCost] = ()) -> str:
     """The mode of every group before anything is measured (and for good where there is
-    no choice: one replica, or one candidate)."""
-    if replicas <= 1:
+    no choice: one replica, one candidate, or ``groups`` that all stay dense,
+    :meth:`~tf_blocksparse.planning.exchange_cost.AutoExchange.stays_dense`)."""
+    if replicas <= 1 or policy.stays_dense(groups):
         return "dense"
     return next((m for m in policy.candidates if m != "dense"), "dense")
 
@@ -105,9 +107,8 @@ class ExchangeChooser:
         self._group_of = {i: gi for gi, g in enumerate(self.groups) for i in g}
         # the groups' byte sizes per mode (static), without compression times
         self._untimed = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
-        first = "dense" if policy.stays_dense(self._untimed) else \
-            fallback_mode(policy, strategy.num_replicas_in_sync)
-        self.modes = [first] * len(self.groups)
+        self.modes = [fallback_mode(policy, strategy.num_replicas_in_sync, self._untimed)
+                      ] * len(self.groups)
         self.decision: ExchangeDecision | None = None
         self._probe_cache: dict = {}  # traced compression probes, per group
         self._compress_s: list[float] | None = None  # agreed, since the last link probes
@@ -161,12 +162,10 @@ class ExchangeChooser:
     def _decide(self, compute_s: float | None, remeasure: bool, hysteresis: bool,
                 switch_s: float, steps_left: float | None) -> ExchangeDecision | None:
         strategy, policy = self.strategy, self.policy
-        if strategy.num_replicas_in_sync <= 1 or policy.pinned:
-            self.set_modes([fallback_mode(policy, strategy.num_replicas_in_sync)]
-                           * len(self.groups))
-            return None
-        if policy.stays_dense(self._untimed):  # every group holds recurrent layers
-            self.set_modes(["dense"] * len(self.groups))
+        if strategy.num_replicas_in_sync <= 1 or policy.pinned or \
+                policy.stays_dense(self._untimed):  # no choice to make
+            self.set_modes([fallback_mode(policy, strategy.num_replicas_in_sync,
+                                          self._untimed)] * len(self.groups))
             return None
         measured = compute_s is not None
         with strategy.scope():

@@ -190,7 +190,7 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
         owners = None if self._model is not None else discover_owners(var_list)
         self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules, owners)
         if self.compression.sparse and not self.compression.auto and self._local is None:
-            checks.warn_compressed_recurrent(self.layouts, self.dense_below)
+            checks.warn_compressed_recurrent(self._compressor(range(len(self.layouts))))
         self._unit_axes = [layout_unit_axes(lay) for lay in self.layouts]  # AGC = blocks
         self._schedule.build(var_list, self._model)
         state = create_state(

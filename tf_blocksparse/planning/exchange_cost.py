@@ -273,7 +273,7 @@ class AutoExchange:
     def stays_dense(self, groups: Sequence[GroupCost]) -> bool:
         """Whether every group stays dense whatever is measured: each delays recurrent
         layers' bytes under ``recurrent_cost=None`` (nothing to measure or decide)."""
-        return all(math.isinf(self.weighted_delay(g)) for g in groups)
+        return bool(groups) and all(math.isinf(self.weighted_delay(g)) for g in groups)
 
     def weighted_delay(self, group: GroupCost) -> float:
         """``group``'s delayed bytes with its recurrent layers' weighted by
