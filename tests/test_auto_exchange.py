@@ -176,6 +176,7 @@ def test_one_candidate_is_used_everywhere_and_nothing_is_measured(mirrored2, can
     # no choice to make: no decision, no re-decisions, no compression probe, no auto_* figures
     assert opt.exchange_decision is None and callback.decisions == []
     assert chooser._probe_cache == {} and not any(k.startswith("auto_") for k in m)
+    assert (opt.residuals != []) == sparse  # dense for good: no state, as exchange="dense"
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
     model.optimizer = opt  # fit needs no callback for it
     assert tfbs.fit_callbacks(model) == []
@@ -186,23 +187,34 @@ def test_one_candidate_is_used_everywhere_and_nothing_is_measured(mirrored2, can
 def test_a_recurrent_model_stays_dense_and_nothing_is_measured(mirrored2):
     """Under the default policy every group delaying a recurrent layer's bytes stays dense,
     so a single-group recurrent model has nothing to decide: it trains dense from the first
-    step, measuring nothing (no decision, no probes, no re-trace)."""
-    with mirrored2.scope():
-        keras.utils.set_random_seed(2)
-        model = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(40),
-                                  keras.layers.Dense(4)])
-        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9))
-        model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    step, measuring nothing (no decision, no probes, no re-trace), keeps no residuals or
+    velocities (nothing to trace, back up or save) and trains exactly as plain Keras."""
     x = np.random.default_rng(0).standard_normal((48, 5, 3)).astype("float32")
+
+    def fit(make_opt, callbacks=()):
+        with mirrored2.scope():
+            keras.utils.set_random_seed(2)
+            model = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(40),
+                                      keras.layers.Dense(4)])
+            opt = make_opt(keras.optimizers.SGD(0.05, momentum=0.9))
+            model.compile(opt,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, (x[:, 0, 0] > 0).astype("int32"), batch_size=8, epochs=2, verbose=0,
+                  shuffle=False, callbacks=list(callbacks))
+        return opt, [w.numpy() for w in model.weights]
+
     callback = tfbs.AutoExchangeCallback()
-    model.fit(x, (x[:, 0, 0] > 0).astype("int32"), batch_size=8, epochs=2, verbose=0,
-              callbacks=[callback])
+    opt, weights = fit(tfbs.BlockSparseOptimizer, [callback])
     chooser = opt.exchange_chooser
     assert chooser.modes == ["dense"] * len(chooser.groups)
     assert opt.exchange_decision is None and callback.decisions == []
     assert chooser._probe_cache == {} and chooser.measure_s < 0.05
     m = opt.block_sparse_metrics()
     assert m["payload_bytes"] == m["dense_bytes"]
+    assert opt.residuals == [] and opt.velocities == []
+    _, plain = fit(lambda inner: inner)
+    for a, b in zip(weights, plain):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_fixed_sparse_exchange_on_recurrent_layers_warns():

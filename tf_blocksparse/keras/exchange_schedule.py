@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tf_blocksparse.auto import auto_callback, auto_exchange
 from tf_blocksparse.auto.auto_runtime import AutoExchangeRuntime
+from tf_blocksparse.exchange_bytes import group_cost
 from tf_blocksparse.feedback import BlockTopK
 from tf_blocksparse.fusion import FusionPlan
 from tf_blocksparse.fusion.forward_order import backward_ranks
@@ -57,6 +58,27 @@ class ExchangeSchedule:
         """Orders the variables for fusion (before the owner's Keras build)."""
         self.backward_ranks = (backward_ranks(model, var_list)
                                if self._owner.fusion_buffer_bytes is not None else None)
+
+    def dense_for_good(self, var_list: Sequence[Any]) -> bool:
+        """Whether the automatic exchange sends every fusion group of ``var_list`` densely
+        whatever it measures: its policy pins ``"dense"``, or keeps every group dense (each
+        delays recurrent layers' bytes,
+        :meth:`~tf_blocksparse.planning.exchange_cost.AutoExchange.stays_dense`).  The owner
+        then keeps no residuals or velocities, as ``exchange="dense"``: nothing to create,
+        trace, back up or save.  Read at build, after :meth:`build`."""
+        compression = self._owner.compression
+        if not compression.auto or compression.dense_steps:
+            return False
+        policy = self._owner.exchange
+        if policy.pinned:
+            return policy.candidates[0] == "dense"
+        buffer = self._owner.fusion_buffer_bytes
+        specs = [tf.TensorSpec(v.shape, v.dtype) for v in var_list]
+        groups = ([list(range(len(specs)))] if buffer is None else
+                  [list(g.members) for g in step.fusion_plan(
+                      specs, range(len(specs)), self.backward_ranks, buffer).groups])
+        return policy.stays_dense([group_cost(self._compressor(g), [specs[i].dtype for i in g])
+                                   for g in groups])
 
     def bind(self, strategy: tf.distribute.Strategy, variables: Sequence[Any]) -> None:
         """Keeps the owner's trainable ``variables`` (after its Keras build) and builds the

@@ -193,8 +193,11 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
             checks.warn_compressed_recurrent(self._compressor(range(len(self.layouts))))
         self._unit_axes = [layout_unit_axes(lay) for lay in self.layouts]  # AGC = blocks
         self._schedule.build(var_list, self._model)
+        # an automatic exchange that stays dense for good keeps no state, as "dense" does
+        dense_for_good = self._schedule.dense_for_good(var_list)
         state = create_state(
-            var_list, residuals=self.exchange != "dense", momentum=self._momentum,
+            var_list, residuals=self.exchange != "dense" and not dense_for_good,
+            momentum=MomentumTransform(None) if dense_for_good else self._momentum,
             clip=self._clip, local=self._local, accumulation=self._accumulation,
             new_state=functools.partial(per_replica_variable, self._distribution_strategy,
                                         self._track_variable),
