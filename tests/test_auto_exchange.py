@@ -194,7 +194,7 @@ def test_a_recurrent_model_stays_dense_and_nothing_is_measured(mirrored2):
     def fit(make_opt, callbacks=()):
         with mirrored2.scope():
             keras.utils.set_random_seed(2)
-            model = keras.Sequential([keras.Input((5, 3)), keras.layers.GRU(40),
+            model = keras.Sequential([keras.Input((5, 3)), keras.layers.SimpleRNN(40),
                                       keras.layers.Dense(4)])
             opt = make_opt(keras.optimizers.SGD(0.05, momentum=0.9))
             model.compile(opt,
