@@ -330,3 +330,26 @@ def test_configure_coordination_sets_the_heartbeat_timeout_once():
                           timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "7.5"
+
+
+def test_calling_model_is_the_model_building_the_optimizer(monkeypatch):
+    """Under ``model.fit`` the optimizer finds its variables' layers in the model that builds
+    it, with no pass over the garbage collector's objects; without a model up the stack
+    (a custom loop) there is none and the pass finds them."""
+    import tf_blocksparse as tfbs
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(opt, "mse")
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("a pass over the garbage collector's objects")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(_compat.gc, "get_objects", no_scan)
+        model.fit(np.zeros((4, 4), "float32"), np.zeros((4, 3), "float32"), verbose=0)
+    assert [lay.layer_class for lay in opt.layouts] == ["Dense", "Dense"]
+    assert _compat.calling_model(opt) is None
+    loop = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1))
+    loop.build(model.trainable_variables)
+    assert [lay.layer_class for lay in loop.layouts] == ["Dense", "Dense"]

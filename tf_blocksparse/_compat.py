@@ -218,6 +218,28 @@ def variable_owners(variables: Iterable[Any], layers: Iterable[Any] | None = Non
     return owners
 
 
+def calling_model(optimizer: Any, depth: int = 16) -> Any:
+    """The Keras model whose method (e.g. ``fit``'s symbolic build or its train step) is
+    building ``optimizer``, found among the ``self`` of the callers' frames: a model whose
+    ``optimizer`` is ``optimizer`` or wraps it (``inner_optimizer``); ``None`` if no caller
+    within ``depth`` frames is one (a custom loop)."""
+    import sys
+
+    import keras
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model):
+            opt = getattr(owner, "optimizer", None)
+            if opt is optimizer or getattr(opt, "inner_optimizer", None) is optimizer:
+                return owner
+        frame = frame.f_back
+    return None
+
+
 def keras_history(tensor: Any) -> Any:
     """The ``(operation, node_index, tensor_index)`` record of a symbolic Keras tensor, or
     ``None`` for a tensor no layer produced."""
@@ -308,7 +330,7 @@ def xplane_proto() -> Any:
 __all__: Sequence[str] = [
     "TESTED", "TESTED_PAIRS", "after_gradient_all_reduce", "build_input_shapes",
     "disable_gradient_all_reduce", "flatten_layers", "gradient_all_reduce_disabled",
-    "assign_replica_copies", "is_on_read", "keras_history",
+    "assign_replica_copies", "calling_model", "is_on_read", "keras_history",
     "local_components", "no_automatic_dependency_tracking", "nodes_by_depth",
     "own_trainable_variables", "previous_backup", "resumed_epoch",
     "optimizer_strategy", "strategy_cross_device_ops", "strategy_supports_no_merge_call",

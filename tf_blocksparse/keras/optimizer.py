@@ -187,7 +187,7 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
     @_compat.no_automatic_dependency_tracking
     def build(self, var_list: Sequence[keras.Variable]) -> None:
         self.inner_optimizer.build(var_list)
-        owners = None if self._model is not None else discover_owners(var_list)
+        owners = None if self._model is not None else discover_owners(var_list, self)
         self.layouts = blocks.layouts_for(var_list, self._model, self.block_rules, owners)
         if self.compression.sparse and not self.compression.auto and self._local is None:
             checks.warn_compressed_recurrent(self._compressor(range(len(self.layouts))))

@@ -16,14 +16,25 @@ __all__ = ["densify", "discover_owners", "replica_gradients"]
 
 
 @tf.autograph.experimental.do_not_convert
-def discover_owners(variables: Sequence[Any]) -> dict[int, Any]:
+def discover_owners(variables: Sequence[Any], optimizer: Any = None) -> dict[int, Any]:
     """Maps ``id(variable)`` to the live Keras layer that created it.
 
     The optimizer only sees variables, but the block-rule table needs each one's layer class
-    (a renamed ``Conv2DTranspose`` kernel must not be split like a ``Conv2D`` kernel).  One
-    pass over the garbage collector's live objects at build time finds the layers.
+    (a renamed ``Conv2DTranspose`` kernel must not be split like a ``Conv2D`` kernel).  When
+    a Keras model is building ``optimizer`` (``model.fit``), its layers are searched;
+    variables not found there (and every variable in a custom loop) are looked up in one
+    pass over the garbage collector's live objects, whose cost grows with the program's
+    objects.
     """
-    return _compat.variable_owners(variables)
+    variables = list(variables)
+    owners: dict[int, Any] = {}
+    model = None if optimizer is None else _compat.calling_model(optimizer)
+    if model is not None:
+        owners = _compat.variable_owners(variables, [model, *_compat.flatten_layers(model)])
+    missing = [v for v in variables if id(v) not in owners]
+    if missing:
+        owners.update(_compat.variable_owners(missing))
+    return owners
 
 
 def densify(g: Any, v: Any) -> tf.Tensor:
