@@ -1,6 +1,7 @@
 """exchange="auto" in BlockSparseOptimizer on two real MirroredStrategy replicas, and the
 dense exchange's residual flush against a NumPy reference."""
 
+import functools
 import types
 import warnings
 
@@ -301,7 +302,7 @@ def test_one_group_out_of_variable_order_is_scattered_back_by_position():
 
 
 def _momentum_fit(strategy, exchange, epochs, modes=None, remodes=None, inner_momentum=0.9,
-                  **kwargs):
+                  callbacks=(), **kwargs):
     """Dense(64, relu) + Dense(4) under SGD(0.05, momentum=inner_momentum), 2 steps per
     epoch; ``modes`` forces every group's mode after the build, ``remodes`` for one more
     epoch."""
@@ -317,7 +318,8 @@ def _momentum_fit(strategy, exchange, epochs, modes=None, remodes=None, inner_mo
         with strategy.scope():
             opt.build(model.trainable_variables)
         opt.exchange_chooser.set_modes([modes] * len(opt.exchange_chooser.groups))
-    model.fit(X, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False)
+    model.fit(X, y, batch_size=16, epochs=epochs, verbose=0, shuffle=False,
+              callbacks=list(callbacks))
     if remodes is not None:
         opt.exchange_chooser.set_modes([remodes] * len(opt.exchange_chooser.groups))
         model.make_train_function(force=True)
@@ -325,12 +327,29 @@ def _momentum_fit(strategy, exchange, epochs, modes=None, remodes=None, inner_mo
     return model, opt
 
 
+class _EpochWeights(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights.append(self.model.get_weights())
+
+
+@functools.cache
+def _dense_weights(strategy):
+    """The reference of the dense comparisons here: ``exchange="dense"``'s weights after each
+    of 4 epochs of :func:`_momentum_fit` (trained once per module)."""
+    record = _EpochWeights()
+    _momentum_fit(strategy, "dense", 4, callbacks=[record])
+    return record.weights
+
+
 def test_all_dense_auto_is_the_dense_exchange_bit_for_bit(mirrored2):
-    dense, _ = _momentum_fit(mirrored2, "dense", 3)
     auto, opt = _momentum_fit(mirrored2, "auto", 3, modes="dense", density=0.1,
                               fusion_buffer_bytes=512)
     assert len(opt.exchange_chooser.groups) >= 2  # merged into one run, in variable order
-    for a, b in zip(auto.get_weights(), dense.get_weights()):
+    for a, b in zip(auto.get_weights(), _dense_weights(mirrored2)[2]):
         np.testing.assert_array_equal(a, b)
     # the momentum is the inner SGD's; the per-replica velocities and residuals are empty
     assert all(np.abs(m.numpy()).sum() > 0 for m in opt.inner_optimizer.momentums)
@@ -360,7 +379,7 @@ def test_momentum_moves_with_a_group_between_dense_and_sparse(mirrored2):
     # density 1 "auto" leaves the momentum in the SGD, as for dense: it is given here.)
     kwargs = {"density": 1.0, "momentum_masking": "none", "momentum_correction": 0.9,
               "inner_momentum": 0.0}
-    dense, _ = _momentum_fit(mirrored2, "dense", 4)
+    dense = _dense_weights(mirrored2)[3]
     model, opt = _momentum_fit(mirrored2, "auto", 3, modes="dense", **kwargs)
     inner_m = [m.numpy() for m in opt.inner_optimizer.momentums]
     lr = float(tf.convert_to_tensor(opt.inner_optimizer.learning_rate).numpy())
@@ -371,13 +390,13 @@ def test_momentum_moves_with_a_group_between_dense_and_sparse(mirrored2):
     model.make_train_function(force=True)
     model.fit(X, (X[:, 0] > 0).astype("int32"), batch_size=16, epochs=1, verbose=0,
               shuffle=False)
-    for a, b in zip(model.get_weights(), dense.get_weights()):
+    for a, b in zip(model.get_weights(), dense):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # and back: the first dense step sends m u + grad, the velocities empty into the SGD
     back, opt = _momentum_fit(mirrored2, "auto", 3, modes="allgather", remodes="dense",
                               **kwargs)
     assert all(np.abs(u.numpy()).sum() == 0 for u in opt.velocities)
-    for a, b in zip(back.get_weights(), dense.get_weights()):
+    for a, b in zip(back.get_weights(), dense):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
