@@ -1,6 +1,8 @@
 """A selection that keeps every block (``density=1.0``, or a ``k`` at least every block count)
 sends the plain dense all-reduce: dense's bytes and dense's weights, on 2 real replicas."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -57,13 +59,19 @@ def _fit(strategy, **opt_kwargs):
     return model.get_weights(), opt.block_sparse_metrics()
 
 
+@functools.cache
+def _dense(strategy):
+    """``exchange="dense"``'s weights and figures (trained once per module)."""
+    return _fit(strategy, exchange="dense")
+
+
 @pytest.mark.parametrize("exchange,kwargs", [
     ("allgather", {"density": 1.0}), ("shared", {"density": 1.0}),
     ("allgather", {"k": 10**6, "momentum_correction": None, "dense_below": 0})])
 def test_keeping_every_block_is_the_dense_exchange(mirrored2, exchange, kwargs):
     """Dense's bytes per step and dense's weights bit for bit; the default momentum stays in
     the inner SGD at density 1.0, as with ``exchange="dense"``."""
-    dense_w, dense_m = _fit(mirrored2, exchange="dense")
+    dense_w, dense_m = _dense(mirrored2)
     got_w, got_m = _fit(mirrored2, exchange=exchange, **kwargs)
     for a, b in zip(got_w, dense_w):
         np.testing.assert_array_equal(a, b)
