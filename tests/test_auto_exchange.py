@@ -222,8 +222,6 @@ def test_a_fixed_sparse_exchange_on_recurrent_layers_warns():
     """Compressing a recurrent layer's gradients is allowed but warned about (it did not
     converge on lstm_nmt); the automatic exchange, dense, local steps and variables sent
     whole do not warn."""
-    import warnings
-
     from tf_blocksparse.checks import RecurrentCompressionWarning
 
     def build(**kwargs):

@@ -72,13 +72,8 @@ class ExchangeSchedule:
         policy = self._owner.exchange
         if policy.pinned:
             return policy.candidates[0] == "dense"
-        buffer = self._owner.fusion_buffer_bytes
-        specs = [tf.TensorSpec(v.shape, v.dtype) for v in var_list]
-        groups = ([list(range(len(specs)))] if buffer is None else
-                  [list(g.members) for g in step.fusion_plan(
-                      specs, range(len(specs)), self.backward_ranks, buffer).groups])
-        return policy.stays_dense([group_cost(self._compressor(g), [specs[i].dtype for i in g])
-                                   for g in groups])
+        return policy.stays_dense([group_cost(self._compressor(g), [var_list[i].dtype for i in g])
+                                   for g in self._groups_of(var_list)])
 
     def bind(self, strategy: tf.distribute.Strategy, variables: Sequence[Any]) -> None:
         """Keeps the owner's trainable ``variables`` (after its Keras build) and builds the
@@ -109,18 +104,26 @@ class ExchangeSchedule:
     @property
     def fusion_plan(self) -> FusionPlan | None:
         """The plan over every built variable (members = variable indices), or ``None``."""
-        owner = self._owner
-        if owner.fusion_buffer_bytes is None or not owner.built:
-            return None
-        specs = [tf.TensorSpec(v.shape, v.dtype) for v in self._variables]
-        return step.fusion_plan(specs, range(len(specs)), self.backward_ranks,
-                                owner.fusion_buffer_bytes)
+        return self._plan_of(self._variables) if self._owner.built else None
 
     def group_indices(self) -> list[list[int]]:
         """Variable indices of every fusion group (one group without a fusion buffer)."""
-        plan = self.fusion_plan
+        return self._groups_of(self._variables if self._owner.built else [])
+
+    def _plan_of(self, variables: Sequence[Any]) -> FusionPlan | None:
+        """The fusion plan over ``variables`` (members = indices), ``None`` without a fusion
+        buffer."""
+        buffer = self._owner.fusion_buffer_bytes
+        if buffer is None:
+            return None
+        specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+        return step.fusion_plan(specs, range(len(specs)), self.backward_ranks, buffer)
+
+    def _groups_of(self, variables: Sequence[Any]) -> list[list[int]]:
+        """Indices into ``variables`` of every fusion group (one group without a buffer)."""
+        plan = self._plan_of(variables) if variables else None
         if plan is None:
-            return [list(range(len(self._variables)))]
+            return [list(range(len(variables)))]
         return [list(g.members) for g in plan.groups]
 
     def group_dtypes(self, groups: Sequence[Sequence[int]]) -> list[list[Any]]:
