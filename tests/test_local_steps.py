@@ -5,6 +5,8 @@ and a plain SGD outer step it trains as the per-step exchange; with more, the re
 weights differ inside a window and agree after it, following a NumPy reference of DiLoCo's
 outer Nesterov step; ``model.fit`` evaluates and saves synchronised weights."""
 
+import traceback
+
 import keras
 import numpy as np
 import pytest
@@ -234,13 +236,24 @@ def _copies(strategy, variables):
 
 
 def test_killed_inside_a_window_and_resumed_trains_as_the_uninterrupted_run(mirrored2,
-                                                                            tmp_path):
+                                                                            tmp_path,
+                                                                            monkeypatch):
     """Backed up after every epoch and killed two steps into a window of epoch 2: the resumed
     run ends with the uninterrupted run's weights, and each replica with its own inner
-    momentum, its residuals and the outer optimizer's state, bit for bit."""
+    momentum, its residuals and the outer optimizer's state, bit for bit.  The epoch-end
+    synchronisation is traced without AutoGraph (converting the library costs seconds)."""
     from tf_blocksparse.keras.backup import BackupAndRestore
+    from tf_blocksparse.keras.local_steps import LocalSteps
 
+    converted, real = [], LocalSteps.synchronize_replica
+
+    def spy(self, *args, **kwargs):
+        converted.extend(f.name for f in traceback.extract_stack() if f.name.startswith("tf__"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalSteps, "synchronize_replica", spy)
     whole = _local_fit(mirrored2, 3)
+    assert converted == []
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="killed"):
         _local_fit(mirrored2, 3, [BackupAndRestore(backup), Die(7)])

@@ -1,6 +1,7 @@
 """BlockSparseOptimizer behaviour in model.fit and custom loops (2 real replicas)."""
 
 import os
+import traceback
 
 import keras
 import numpy as np
@@ -343,6 +344,31 @@ def train_lazily(model, opt, steps=2):
     for _ in range(steps):
         step(tf.ones((2, 4)))
     assert int(opt.iterations.numpy()) == steps
+
+
+def test_a_custom_loop_does_not_autograph_convert_the_library(monkeypatch):
+    """A user's tf.function (AutoGraph on, the default) that calls ``opt.apply`` runs the
+    library's step as written, as Keras' own steps do: converting the whole call tree
+    costs seconds at the first trace.  A converted frame runs from AutoGraph's generated
+    file under the name ``tf__<name>``."""
+    from tf_blocksparse.keras import optimizer_step
+
+    stacks = []
+    real = optimizer_step.apply_inner
+
+    def spy(*args, **kwargs):
+        stacks.append([(f.filename, f.name) for f in traceback.extract_stack()])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer_step, "apply_inner", spy)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, exchange="allgather")
+    train_lazily(model, opt, steps=1)
+    assert stacks  # traced (twice: the first trace creates the optimizer's variables)
+    for stack in stacks:
+        assert any(name == "tf__step" for _, name in stack)  # the user's function: converted
+        assert ("apply" in {name for path, name in stack if "tf_blocksparse" in path})
+        assert [name for _, name in stack if name.startswith("tf__")] == ["tf__step"]
 
 
 def test_built_lazily_inside_a_tf_function():

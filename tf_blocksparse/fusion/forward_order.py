@@ -131,7 +131,7 @@ def forward_use_order(model: keras.Model, variables: Sequence[Any] | None = None
                          "build it on a keras.Input or pass input_spec")
     handle_index = {id(h): i for i, v in enumerate(variables) for h in _handles(v)}
     with tf.init_scope():
-        forward = tf.function(lambda x: model(x, training=True))
+        forward = tf.function(lambda x: model(x, training=True), autograph=False)
         graph = forward.get_concrete_function(input_spec).graph
     placeholder_index = {internal.name: handle_index[id(external)]
                          for external, internal in graph.captures

@@ -99,7 +99,7 @@ class _Evaluator:
                  ignore_label: int | None):
         self.model, self.strategy, self.loss_fn = model, strategy, loss_fn
         self.ignore_label = ignore_label
-        self._step = tf.function(self._step_impl)
+        self._step = tf.function(self._step_impl, autograph=False)
 
     def _replica_fn(self, x: Any, y: tf.Tensor, w: tf.Tensor) -> tuple[tf.Tensor, ...]:
         """Sums of one replica's batch: ``(loss [float64], correct, counted)`` (int64)."""

@@ -254,7 +254,7 @@ class LocalSteps:
             strategy, tvs = self._strategy, list(self._variables)
             idx = list(range(len(tvs)))
 
-            @tf.function
+            @tf.function(autograph=False)
             def sync() -> None:
                 strategy.run(lambda: self.synchronize_replica(tvs, idx, counted=False))
 

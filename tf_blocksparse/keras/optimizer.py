@@ -254,6 +254,9 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
         return finite
 
     # -- step ----------------------------------------------------------------------------
+    # Like Keras' own steps, the step needs no AutoGraph (its control flow is tf.cond): a
+    # custom loop's tf.function that calls apply() does not convert the library (seconds).
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
               ) -> None:
         """One step of this replica: its gradients go through the exchange (every step, or
