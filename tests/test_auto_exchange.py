@@ -484,3 +484,25 @@ def test_fit_callbacks_re_decide_once_and_without_them_the_build_decision_stays(
     assert opt.exchange_decision is not initial and opt.exchange_decision.compute_s > 0
     if own_callback:
         assert [step for step, _ in given[0].decisions] == [4]
+
+
+def test_the_groups_byte_costs_are_computed_once_per_build(mirrored2, monkeypatch):
+    """Deciding whether the exchange stays dense for good and the chooser's build-time
+    decision read one computation of the groups' byte costs."""
+    from tf_blocksparse.auto import auto_exchange
+    from tf_blocksparse.keras import exchange_schedule
+
+    calls = []
+    for module in (exchange_schedule, auto_exchange):
+        real = module.group_cost
+        monkeypatch.setattr(module, "group_cost", lambda *a, _real=real, _m=module.__name__,
+                            **k: calls.append(_m) or _real(*a, **k))
+    with mirrored2.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(64),
+                                  keras.layers.Dense(4)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), density=0.1,
+                                        fusion_buffer_bytes=1024)
+        opt.build(model.trainable_variables)
+    groups = opt.exchange_chooser.groups
+    assert len(groups) >= 2 and opt.exchange_decision is not None
+    assert calls == [exchange_schedule.__name__] * len(groups)

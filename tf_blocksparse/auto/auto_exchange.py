@@ -85,6 +85,8 @@ class ExchangeChooser:
       dtypes: Per group, its variables' dtypes.
       on_change: Called eagerly with ``(old_modes, new_modes)`` whenever the modes change
         (the owner moves state that lives in a different place per mode).
+      costs: Per group, its bytes per mode without compression time
+        (:func:`~tf_blocksparse.exchange_bytes.group_cost`) when the caller has them.
 
     Attributes:
       modes: Per group, the mode in use.
@@ -97,7 +99,8 @@ class ExchangeChooser:
     def __init__(self, policy: AutoExchange, strategy: tf.distribute.Strategy,
                  groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
                  dtypes: Sequence[Sequence[Any]],
-                 on_change: Callable[[list[str], list[str]], None] | None = None):
+                 on_change: Callable[[list[str], list[str]], None] | None = None,
+                 costs: Sequence[GroupCost] | None = None):
         self.policy = policy
         self.on_change = on_change
         self.strategy = strategy
@@ -106,7 +109,8 @@ class ExchangeChooser:
         self.dtypes = [list(d) for d in dtypes]
         self._group_of = {i: gi for gi, g in enumerate(self.groups) for i in g}
         # the groups' byte sizes per mode (static), without compression times
-        self._untimed = [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)]
+        self._untimed = (list(costs) if costs is not None else
+                         [group_cost(c, d) for c, d in zip(self.compressors, self.dtypes)])
         self.modes = [fallback_mode(policy, strategy.num_replicas_in_sync, self._untimed)
                       ] * len(self.groups)
         self.decision: ExchangeDecision | None = None

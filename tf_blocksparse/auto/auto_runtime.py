@@ -76,18 +76,19 @@ class AutoExchangeRuntime:
 
     def build(self, strategy: Any, variables: Sequence[Any],
               groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
-              dtypes: Sequence[Sequence[Any]]) -> None:
+              dtypes: Sequence[Sequence[Any]], costs: Sequence[Any] | None = None) -> None:
         """Keeps the owner's fusion groups (indices into its trainable ``variables``, which a
         switch updates) under ``strategy``; with ``exchange="auto"`` creates the chooser over
-        them and, where collectives can be timed (eagerly, cross-replica), takes the
-        build-time decision; the state is still empty then, so nothing moves."""
+        them (``costs``: the groups' byte costs if already computed) and, where collectives
+        can be timed (eagerly, cross-replica), takes the build-time decision; the state is
+        still empty then, so nothing moves."""
         self._variables = list(variables)
         self._groups = [list(g) for g in groups]
         self._strategy = strategy
         if not self._owner.compression.auto:
             return
         self.chooser = ExchangeChooser(self._owner.exchange, strategy, groups, compressors,
-                                       dtypes)
+                                       dtypes, costs=costs)
         if can_measure():  # nothing is traced yet: free to choose any modes
             self.chooser.decide(hysteresis=False)
         self.chooser.on_change = self._on_modes_change

@@ -23,6 +23,7 @@ from tf_blocksparse.fusion import FusionPlan
 from tf_blocksparse.fusion.forward_order import backward_ranks
 from tf_blocksparse.keras import dense_phase, local_steps
 from tf_blocksparse.keras import optimizer_step as step
+from tf_blocksparse.planning.exchange_cost import GroupCost
 from tf_blocksparse.planning.exchange_decision import ExchangeDecision
 
 __all__ = ["ExchangeSchedule"]
@@ -53,6 +54,7 @@ class ExchangeSchedule:
         changing = compression.auto or (compression.dense_steps and compression.sparse)
         self.auto = AutoExchangeRuntime(owner) if changing else None
         self.backward_ranks: list[int] | None = None
+        self._costs: tuple[list[list[int]], list[GroupCost]] | None = None
 
     def build(self, var_list: Sequence[Any], model: Any) -> None:
         """Orders the variables for fusion (before the owner's Keras build)."""
@@ -72,8 +74,17 @@ class ExchangeSchedule:
         policy = self._owner.exchange
         if policy.pinned:
             return policy.candidates[0] == "dense"
-        return policy.stays_dense([group_cost(self._compressor(g), [var_list[i].dtype for i in g])
-                                   for g in self._groups_of(var_list)])
+        return policy.stays_dense(self._untimed_costs(var_list, self._groups_of(var_list)))
+
+    def _untimed_costs(self, variables: Sequence[Any], groups: Sequence[Sequence[int]]
+                       ) -> list[GroupCost]:
+        """Each group's bytes per mode (no compression time), computed once per grouping:
+        :meth:`dense_for_good` and the automatic exchange's chooser read the same."""
+        key = [list(g) for g in groups]
+        if self._costs is None or self._costs[0] != key:
+            self._costs = key, [group_cost(self._compressor(g), [variables[i].dtype for i in g])
+                                for g in key]
+        return self._costs[1]
 
     def bind(self, strategy: tf.distribute.Strategy, variables: Sequence[Any]) -> None:
         """Keeps the owner's trainable ``variables`` (after its Keras build) and builds the
@@ -82,7 +93,8 @@ class ExchangeSchedule:
         if self.auto is not None:
             groups = self.group_indices()
             self.auto.build(strategy, self._variables, groups,
-                            [self._compressor(g) for g in groups], self.group_dtypes(groups))
+                            [self._compressor(g) for g in groups], self.group_dtypes(groups),
+                            self._untimed_costs(self._variables, groups))
 
     # -- the step's groups ---------------------------------------------------------------
     def exchange_groups(self, grads: Sequence[tf.Tensor], idx: Sequence[int]
