@@ -21,40 +21,38 @@ from tf_blocksparse.keras.momentum import mask_sent
 X = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")
 
 
-def _linear_fit(strategy, exchange, steps, modes=None, remodes=None):
+def _linear_fit(strategy, exchange, steps, modes=None):
     """A bias-free Dense(16) under ``loss = sum(outputs)``: every step's gradient is the same
     (it does not depend on the weights), so error feedback's bookkeeping is checkable
-    exactly.  ``modes`` forces the groups' modes after the build; ``remodes`` switches them
-    for one last step."""
+    exactly.  ``modes`` forces the groups' modes after the build."""
     with strategy.scope():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, use_bias=False)])
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange=exchange, k=2,
                                         dense_below=0)
         model.compile(opt, loss=lambda y, p: tf.reduce_sum(p, axis=-1))
-    y = np.zeros((32,), "float32")
     if modes is not None:
         with strategy.scope():
             opt.build(model.trainable_variables)
         opt.exchange_chooser.set_modes(modes)
-    model.fit(X, y, batch_size=16, epochs=steps, verbose=0, shuffle=False)
-    if remodes is not None:
-        opt.exchange_chooser.set_modes(remodes)
-        model.make_train_function(force=True)
-        model.fit(X, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    model.fit(X, np.zeros((32,), "float32"), batch_size=16, epochs=steps, verbose=0,
+              shuffle=False)
     return model, opt
 
 
 def test_switching_to_dense_flushes_residuals_nothing_lost(mirrored2):
     # 2 steps per epoch (32 examples, batch 16); dense reference: 3 epochs
     dense, _ = _linear_fit(mirrored2, "dense", 3)
-    sparse, opt = _linear_fit(mirrored2, "auto", 2, modes=["allgather"])
+    model, opt = _linear_fit(mirrored2, "auto", 2, modes=["allgather"])
     residual = opt.residuals[0].numpy()  # summed over replicas
     assert np.abs(residual).sum() > 0  # blocks were held back: the weights differ
-    assert not np.allclose(sparse.get_weights()[0], dense.get_weights()[0], atol=1e-5)
-    switched, opt = _linear_fit(mirrored2, "auto", 2, modes=["allgather"], remodes=["dense"])
+    assert not np.allclose(model.get_weights()[0], dense.get_weights()[0], atol=1e-5)
+    opt.exchange_chooser.set_modes(["dense"])  # then one more epoch, dense
+    model.make_train_function(force=True)
+    model.fit(X, np.zeros((32,), "float32"), batch_size=16, epochs=1, verbose=0,
+              shuffle=False)
     assert opt.residuals[0].numpy() == pytest.approx(0.0)
-    np.testing.assert_allclose(switched.get_weights()[0], dense.get_weights()[0],
+    np.testing.assert_allclose(model.get_weights()[0], dense.get_weights()[0],
                                rtol=1e-5, atol=1e-6)
 
 
