@@ -54,7 +54,7 @@ class ExchangeSchedule:
         changing = compression.auto or (compression.dense_steps and compression.sparse)
         self.auto = AutoExchangeRuntime(owner) if changing else None
         self.backward_ranks: list[int] | None = None
-        self._costs: tuple[list[list[int]], list[GroupCost]] | None = None
+        self._costs: tuple[tuple[Any, ...], list[GroupCost]] | None = None
 
     def build(self, var_list: Sequence[Any], model: Any) -> None:
         """Orders the variables for fusion (before the owner's Keras build)."""
@@ -78,12 +78,14 @@ class ExchangeSchedule:
 
     def _untimed_costs(self, variables: Sequence[Any], groups: Sequence[Sequence[int]]
                        ) -> list[GroupCost]:
-        """Each group's bytes per mode (no compression time), computed once per grouping:
-        :meth:`dense_for_good` and the automatic exchange's chooser read the same."""
-        key = [list(g) for g in groups]
+        """Each group's bytes per mode (no compression time), computed once per grouping
+        and compression: :meth:`dense_for_good` and the automatic exchange's chooser read
+        the same."""
+        key = ([list(g) for g in groups], [v.dtype for v in variables],
+               self._owner.compression)
         if self._costs is None or self._costs[0] != key:
             self._costs = key, [group_cost(self._compressor(g), [variables[i].dtype for i in g])
-                                for g in key]
+                                for g in key[0]]
         return self._costs[1]
 
     def bind(self, strategy: tf.distribute.Strategy, variables: Sequence[Any]) -> None:
