@@ -120,35 +120,34 @@ def test_pipeline_across_processes_matches_full_batch_training(tmp_path):
         f"/job:worker/replica:0/task:{i}" for i in range(3)}
 
 
-def test_hybrid_across_processes_matches_full_batch_training(tmp_path):
-    """Conv replicas on workers 0 and 1, the FC replica and its state on worker 2."""
-    out = tmp_path / "hybrid.json"
+def test_hybrid_across_processes_then_a_dying_worker_stops_the_client(tmp_path):
+    """Conv replicas on workers 0 and 1, the FC replica and its state on worker 2: the
+    hybrid step equals full-batch training.  Then, on the same cluster (one start of three
+    TensorFlow servers for both checks), a client training in a loop is stopped and the
+    worker named when the worker holding the loop's variable (2) dies under it."""
+    out, loop = tmp_path / "hybrid.json", tmp_path / "loop.json"
     with ServerCluster(3, stream=io.StringIO()) as cluster:
         rc = cluster.run_client([sys.executable, CLIENT, "hybrid", str(out)])
-    assert rc == 0
-    rec = json.loads(out.read_text())
-    assert rec["max_grad_diff"] < 1e-5
-    assert rec["max_step_diff"] < 1e-5
-    assert any("task:2" in d for d in rec["variable_devices"])
+        assert rc == 0
+        rec = json.loads(out.read_text())
+        assert rec["max_grad_diff"] < 1e-5
+        assert rec["max_step_diff"] < 1e-5
+        assert any("task:2" in d for d in rec["variable_devices"])
 
-
-def test_a_dying_worker_stops_the_client_and_is_named(tmp_path):
-    out = tmp_path / "loop.json"
-    with ServerCluster(2, stream=io.StringIO()) as cluster:
         def kill_when_running() -> None:
             deadline = time.monotonic() + 120
-            while not out.exists() and time.monotonic() < deadline:
+            while not loop.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
-            cluster.workers[1].signal_group(9)
+            cluster.workers[2].signal_group(9)
 
         threading.Thread(target=kill_when_running, daemon=True).start()
         t0 = time.monotonic()
-        with pytest.raises(WorkerFailure, match=r"worker 1 \(localhost:\d+\) died") as info:
-            cluster.run_client([sys.executable, CLIENT, "loop", str(out)])
-        assert info.value.index == 1 and not info.value.oom_killed
+        with pytest.raises(WorkerFailure, match=r"worker 2 \(localhost:\d+\) died") as info:
+            cluster.run_client([sys.executable, CLIENT, "loop", str(loop)])
+        assert info.value.index == 2 and not info.value.oom_killed
         client = cluster._client
         assert client is not None and client.poll() is not None  # stopped, not left running
-    assert out.exists() and time.monotonic() - t0 < 120
+    assert loop.exists() and time.monotonic() - t0 < 120
 
 
 # ------------------------------------------------------------------ root: shaping, caps
