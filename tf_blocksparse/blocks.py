@@ -295,14 +295,6 @@ def as_rule(rule: str | BlockRule, argument: str) -> BlockRule:
     return RULES[rule]
 
 
-def _variable_owners(model: Any) -> dict[int, Any]:
-    owners: dict[int, Any] = {}
-    for layer in _compat.flatten_layers(model):
-        for v in _compat.own_trainable_variables(layer):
-            owners.setdefault(id(v), layer)
-    return owners
-
-
 def layouts_for(variables: Iterable[Any], model: Any = None,
                 overrides: Mapping[str, str | BlockRule] | None = None,
                 owners: Mapping[int, Any] | None = None) -> list[BlockLayout]:
@@ -314,6 +306,8 @@ def layouts_for(variables: Iterable[Any], model: Any = None,
       overrides: See :func:`rule_for`.
       owners: Optional ``{id(variable): layer}`` (used where ``model`` does not say).
     """
-    owners = {**(owners or {}), **(_variable_owners(model) if model is not None else {})}
+    variables = list(variables)
+    owners = {**(owners or {}), **(_compat.variable_owners(variables, _compat.flatten_layers(
+        model)) if model is not None else {})}
     return [rule_for(getattr(v, "path", None) or v.name.split(":")[0], tuple(v.shape),
                      owners.get(id(v)), overrides) for v in variables]
