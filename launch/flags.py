@@ -20,7 +20,13 @@ from absl import flags
 
 from launch.testing_flags import define_testing_flags
 from models.registry import DATASET_MODELS
-from tf_blocksparse.options import AUTO_EXCHANGE, MASKINGS, METRICS, SPARSE_EXCHANGES
+from tf_blocksparse.options import (
+    AUTO_EXCHANGE,
+    MASKINGS,
+    METRICS,
+    RECURRENT,
+    SPARSE_EXCHANGES,
+)
 
 #: The registry models ``--model`` accepts (those that train on the launch data sets).
 MODELS = list(DATASET_MODELS)
@@ -34,11 +40,12 @@ def _valid_densities(values: list[str]) -> bool:
 
 
 _SPARSE_ONLY = ("k", "density", "density_warmup", "dense_below", "momentum_masking",
-                "quantize", "exchange", "metric")
+                "quantize", "exchange", "metric", "recurrent")
 
 
 #: Flags with a default that ``--compression=dense`` takes only at that default.
-_SPARSE_CHOICES = {"quantize": "none", "exchange": AUTO_EXCHANGE, "metric": "l1"}
+_SPARSE_CHOICES = {"quantize": "none", "exchange": AUTO_EXCHANGE, "metric": "l1",
+                   "recurrent": "compress"}
 
 
 def _dense_takes_no_sparse_options(values: dict) -> bool:
@@ -162,6 +169,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "Sparse methods with --exchange=allgather: how the selected block "
                       "values travel (int8/int4: a float32 scale per block); the "
                       "quantisation error stays in the residual.", **fv)
+    flags.DEFINE_enum("recurrent", "compress", list(RECURRENT),
+                      "Sparse methods: whole sends recurrent layers' variables (GRU, LSTM, "
+                      "SimpleRNN) whole every step, compressing the rest; compress treats "
+                      "them like any other.", **fv)
     flags.DEFINE_integer("sync_every", 0, "Local steps: every worker trains alone for this "
                          "many steps, then the workers' progress is exchanged (compressed as "
                          "--compression says) and applied by an outer Nesterov SGD; 0: every "
@@ -257,7 +268,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.register_multi_flags_validator(
         ["compression", *_SPARSE_ONLY], _dense_takes_no_sparse_options,
         "--compression=dense sends every gradient whole: --k, --density, --density_warmup, "
-        "--quantize, --dense_below, --momentum_masking, --exchange and --metric apply only to "
+        "--quantize, --dense_below, --momentum_masking, --exchange, --metric and --recurrent "
+        "apply only to "
         "--compression=block or topk", **fv)
     flags.register_multi_flags_validator(
         ["save_freq", "model_dir"], lambda f: not f["save_freq"] or f["model_dir"],

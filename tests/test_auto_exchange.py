@@ -216,6 +216,39 @@ def test_a_recurrent_model_stays_dense_and_nothing_is_measured(mirrored2):
         np.testing.assert_array_equal(a, b)
 
 
+def test_recurrent_whole_sends_recurrent_layers_whole_and_compresses_the_rest(mirrored2):
+    """``recurrent="whole"``: the recurrent layer's variables keep no residual (sent whole
+    every step) while the dense layer's kernel is still compressed, and the automatic
+    exchange no longer keeps such a model dense for good (nothing delays the recurrent
+    bytes)."""
+    x = np.random.default_rng(0).standard_normal((32, 5, 3)).astype("float32")
+
+    def build(**kwargs):
+        with mirrored2.scope():
+            keras.utils.set_random_seed(2)
+            model = keras.Sequential([keras.Input((5, 3)), keras.layers.SimpleRNN(40),
+                                      keras.layers.Dense(40, name="fc")])
+            opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                            dense_below=0, **kwargs)
+            model.compile(opt,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model, opt
+
+    model, opt = build(exchange="allgather", recurrent="whole")
+    model.fit(x, (x[:, 0, 0] > 0).astype("int32"), batch_size=8, epochs=1, verbose=0)
+    norms = {v.path: float(np.abs(r.numpy()).sum())
+             for v, r in zip(model.trainable_variables, opt.residuals)}
+    assert [n for p, n in norms.items() if "simple_rnn" in p] == [0.0, 0.0, 0.0]
+    assert [n > 0 for p, n in norms.items() if "/fc/" in p] == [True, True], norms
+    m = opt.block_sparse_metrics()
+    assert m["payload_bytes"] < m["dense_bytes"]
+    for recurrent, dense_for_good in (("compress", True), ("whole", False)):
+        model, opt = build(recurrent=recurrent)
+        with mirrored2.scope():
+            opt.build(model.trainable_variables)
+        assert opt._schedule.dense_for_good(model.trainable_variables) is dense_for_good
+
+
 def test_a_fixed_sparse_exchange_on_recurrent_layers_warns():
     """Compressing a recurrent layer's gradients is allowed but warned about (it did not
     converge on lstm_nmt); the automatic exchange, dense, local steps and variables sent
@@ -235,8 +268,10 @@ def test_a_fixed_sparse_exchange_on_recurrent_layers_warns():
     warned = build(exchange="allgather")
     assert len(warned) == 1 and "recurrent_kernel" in str(warned[0].message)
     assert "exchange='auto'" in str(warned[0].message)
+    assert "recurrent='whole'" in str(warned[0].message)
     for kwargs in ({}, {"exchange": "dense"}, {"exchange": "allgather", "sync_every": 4},
-                   {"exchange": "shared", "block_rules": {"rnn": "single"}}):
+                   {"exchange": "shared", "block_rules": {"rnn": "single"}},
+                   {"exchange": "allgather", "recurrent": "whole"}):
         assert build(**kwargs) == [], kwargs
 
 

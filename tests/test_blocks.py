@@ -141,6 +141,12 @@ def test_group_cost_counts_the_recurrent_layers_delayed_bytes():
     assert cost.recurrent_bytes == 4 * 40 * 120
     assert cost.delayed_bytes == 4 * (40 * 120 + 40 * 30)
     assert group_cost(BlockTopK(layouts, density=1.0, dense_below=0), f32).recurrent_bytes == 0
+    # recurrent="whole": the GRU's variables go whole (no ids, nothing delayed), fc as before
+    whole = BlockTopK(layouts, k=1, dense_below=1024, recurrent="whole")
+    assert whole.whole == (True, True, True, False, True)
+    cost = group_cost(whole, f32)
+    assert cost.recurrent_bytes == 0 and cost.delayed_bytes == 4 * 40 * 30
+    assert cost.whole_bytes == 4 * (3 * 120 + 40 * 120 + 2 * 120 + 30)
     assert not blocks.rule_for("m/custom/kernel", (4, 8)).recurrent
     assert blocks.rule_for("m/custom/recurrent_kernel", (4, 8)).recurrent
 

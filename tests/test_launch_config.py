@@ -30,6 +30,7 @@ COMMAND_LINES = [
      "--metric=l2", "--fusion_buffer_bytes=4096", "--noglobal_momentum",
      "--dense_below=1024", "--momentum_masking=none", "--density_warmup=0.5,0.25"],
     ["--compression=topk", "--k=3", "--exchange=allgather", "--quantize=bfloat16"],
+    ["--model=gru_nmt", "--compression=block", "--exchange=allgather", "--recurrent=whole"],
 ]
 
 
@@ -66,6 +67,9 @@ def test_the_method_holds_the_library_options():
     assert block.options == CompressionOptions(k=1, dense_below=0)
     assert block.stated == {"k"}  # --k=1 is the default k, written: it stays written
     assert Method.from_args(["--compression=dense"]).options == DENSE
+    whole = Method.from_args(["--compression=block", "--exchange=allgather",
+                              "--recurrent=whole"])
+    assert whole.options == CompressionOptions(exchange="allgather", recurrent="whole")
 
 
 def test_stated_keeps_only_flags_at_their_default():

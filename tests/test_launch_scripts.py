@@ -48,6 +48,7 @@ OWN_FLAGS = {
 #: (script, arguments, the flag the error must name).
 BAD_FLAGS = [
     ("train", ["--compression=dense", "--k=5"], "--k"),
+    ("train", ["--compression=dense", "--recurrent=whole"], "--recurrent"),
     ("train", ["--num_devices=0"], "num_devices"),
     ("demo", ["--methods=dense,nope"], "--methods"),
     ("demo", ["--num_workers=0"], "num_workers"),

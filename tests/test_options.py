@@ -34,6 +34,7 @@ def test_defaults_and_normalisation():
     ({"block_rules": {"conv[": "single"}}, r"`block_rules`: pattern 'conv\['"),
     ({"block_rules": "dense"}, "`block_rules`"),
     ({"block_rules": {3: "single"}}, "`block_rules`"),
+    ({"recurrent": "dense"}, "`recurrent`"), ({"recurrent": True}, "`recurrent`"),
 ])
 def test_bad_values_are_named(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -56,6 +57,7 @@ def test_frozen_hashable_and_replace_checks_again():
     tfbs.CompressionOptions(),
     tfbs.CompressionOptions(density=0.1, metric="l2", exchange="shared", granularity="element",
                             dense_below=0, block_rules={"conv": "single", "dense": "row"}),
+    tfbs.CompressionOptions(exchange="allgather", quantize="int8", recurrent="whole"),
 ])
 def test_config_round_trip(o):
     config = o.get_config()
@@ -195,7 +197,7 @@ def test_both_forms_default_to_the_same_exchange():
      r"\(did you mean 'metric'\?\)$"),
     ({"zzz": 1},
      r"`zzz`; known keywords: compression, momentum_correction, .*block_rules, "
-     r"dense_steps, quantize$"),
+     r"dense_steps, quantize, recurrent$"),
     ({"clipnorm": 1.0}, r"^`clipnorm` is an argument of the inner optimizer, not of "
                         r"BlockSparseOptimizer: set it there, e.g. .*SGD\(\.\.\., clipnorm="),
 ])

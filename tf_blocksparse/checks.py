@@ -142,5 +142,5 @@ def warn_compressed_recurrent(compressor: Any) -> None:
             f"the sparse exchange compresses recurrent layers' variables {names}: error "
             "feedback's delay of them slows or stops convergence (k=1 on an LSTM translation "
             "model never converged). Use exchange='auto' (the default), which keeps them "
-            "dense, or send them whole with block_rules={'<their path>': 'single'} and "
-            "momentum_masking='none'", RecurrentCompressionWarning, stacklevel=3)
+            "dense, or send them whole every step with recurrent='whole'",
+            RecurrentCompressionWarning, stacklevel=3)

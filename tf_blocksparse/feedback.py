@@ -23,7 +23,13 @@ import tensorflow as tf
 from tf_blocksparse import kernels, selection
 from tf_blocksparse.blocks import ELEMENT, BlockLayout
 from tf_blocksparse.checks import check_choice, validate_dense_below, validate_k_density
-from tf_blocksparse.options import DEFAULT_DENSE_BELOW, METRICS, QUANTIZATIONS, CompressionOptions
+from tf_blocksparse.options import (
+    DEFAULT_DENSE_BELOW,
+    METRICS,
+    QUANTIZATIONS,
+    RECURRENT,
+    CompressionOptions,
+)
 
 __all__ = ["DEFAULT_DENSE_BELOW", "BlockTopK", "ElementTopK", "Payload", "Prepared",
            "compressor_for", "take_blocks", "validate_dense_below", "validate_k_density"]
@@ -88,24 +94,30 @@ class BlockTopK:
         :func:`compressor_for` passes the options' value.
       quantize: How the all-gather exchange sends the selected blocks' values (see
         :mod:`~tf_blocksparse.quantize`); ``"none"`` sends them in their own dtype.
+      recurrent: ``"compress"`` or ``"whole"`` (recurrent layers' variables sent whole, as
+        ``CompressionOptions.recurrent`` says).
 
     Attributes:
       counts: Per variable, the blocks kept each step.
-      whole: Per variable, true when it is sent whole because of ``dense_below``; the
-        exchanges sum those densely, without block ids or scores.
+      whole: Per variable, true when it is sent whole (under ``dense_below``, or a
+        recurrent layer's with ``recurrent="whole"``); the exchanges sum those densely,
+        without block ids or scores.
     """
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
                  density: float | None = None, metric: str = "l1",
-                 dense_below: int = DEFAULT_DENSE_BELOW, quantize: str = "none"):
+                 dense_below: int = DEFAULT_DENSE_BELOW, quantize: str = "none", *,
+                 recurrent: str = "compress"):
         check_choice(metric, METRICS, "metric")
         self.quantize = check_choice(quantize, QUANTIZATIONS, "quantize")
+        self.recurrent = check_choice(recurrent, RECURRENT, "recurrent")
         self.k, self.density = validate_k_density(k, density)
         self.dense_below = validate_dense_below(dense_below)
         self.metric = metric
         self.layouts = tuple(layouts)
-        self.whole: tuple[bool, ...] = tuple(lay.size < self.dense_below
-                                             for lay in self.layouts)
+        self.whole: tuple[bool, ...] = tuple(
+            lay.size < self.dense_below or (recurrent == "whole" and lay.recurrent)
+            for lay in self.layouts)
         self.counts: tuple[int, ...] = tuple(
             lay.num_blocks if whole
             else selection.num_selected(lay.num_blocks, self.k, self.density)
@@ -200,13 +212,14 @@ class ElementTopK(BlockTopK):
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
                  density: float | None = None, metric: str = "l1",
-                 dense_below: int = DEFAULT_DENSE_BELOW, quantize: str = "none"):
+                 dense_below: int = DEFAULT_DENSE_BELOW, quantize: str = "none",
+                 *, recurrent: str = "compress"):
         super().__init__([dataclasses.replace(lay, rule=ELEMENT) for lay in layouts],
-                         k, density, metric, dense_below, quantize)
+                         k, density, metric, dense_below, quantize, recurrent=recurrent)
 
 
 def compressor_for(options: CompressionOptions, layouts: Sequence[BlockLayout]) -> BlockTopK:
     """The compressor ``options`` ask for (its ``granularity``) over ``layouts``."""
     cls = ElementTopK if options.granularity == "element" else BlockTopK
     return cls(layouts, options.k, options.density, options.metric, options.dense_below,
-               options.quantize)
+               options.quantize, recurrent=options.recurrent)

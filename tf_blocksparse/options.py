@@ -47,6 +47,10 @@ MASKINGS = ("all", "waited", "none")
 #: How the all-gather exchange sends selected block values: their own dtype, bfloat16, or
 #: 8 / 4-bit integers with a float32 scale per block (:mod:`tf_blocksparse.quantize`).
 QUANTIZATIONS = ("none", "bfloat16", "int8", "int4")
+#: What the sparse modes do with recurrent layers' variables (GRU, LSTM, SimpleRNN and
+#: their cells, any ``recurrent_kernel``): compress them like any other, or send them whole
+#: every step (no residual, their momentum unmasked), as ``dense_below`` does small ones.
+RECURRENT = ("compress", "whole")
 #: ``momentum_correction="auto"``: move an inner ``SGD``'s momentum before the exchange.
 AUTO = "auto"
 #: The one default ``dense_below`` (of :class:`CompressionOptions`, hence of every shell, and
@@ -96,6 +100,13 @@ class CompressionOptions:
         ``"int4"`` with a float32 scale per block (:mod:`~tf_blocksparse.quantize`).  The
         quantisation error stays in the residual, so nothing is lost.  Variables sent whole
         are summed unquantised.
+      recurrent: ``"compress"`` (default) or ``"whole"``: recurrent layers' variables
+        (GRU, LSTM, SimpleRNN and their cells) sent whole every step, with no residual and
+        their local momentum never masked; the other variables compressed as set.  Error
+        feedback's delay of recurrent weights costs far more steps than any other layer's
+        (docs/exchange.md); ``"whole"`` is what a fixed sparse exchange on a recurrent
+        model should use.  The automatic exchange keeps a group with compressed recurrent
+        variables dense by itself; with ``"whole"`` it may compress the rest of the group.
       dense_steps: The first ``dense_steps`` optimizer steps (its ``iterations``) send the
         dense all-reduce whatever ``exchange`` says, as PowerSGD's ``start_powerSGD_iter``:
         the early, fast-changing gradients are not delayed by error feedback.  Then the
@@ -117,6 +128,7 @@ class CompressionOptions:
     block_rules: tuple[tuple[str, Any], ...] = ()
     dense_steps: int = 0
     quantize: str = "none"
+    recurrent: str = "compress"
 
     def __post_init__(self) -> None:
         k, density = validate_k_density(self.k, self.density)
@@ -129,6 +141,7 @@ class CompressionOptions:
         object.__setattr__(self, "block_rules", validate_block_rules(self.block_rules))
         object.__setattr__(self, "dense_steps", validate_dense_steps(self.dense_steps))
         check_choice(self.quantize, QUANTIZATIONS, "quantize")
+        check_choice(self.recurrent, RECURRENT, "recurrent")
         if self.quantize != "none" and self.exchange != "allgather":
             raise ValueError(f"`quantize={self.quantize!r}` needs exchange='allgather' (the "
                              f"other modes sum values in the collective), got exchange="
@@ -177,7 +190,8 @@ class CompressionOptions:
                 "metric": self.metric, "exchange": exchange,
                 "granularity": self.granularity, "dense_below": self.dense_below,
                 "block_rules": self.rules, "dense_steps": self.dense_steps} | (
-                    {"quantize": self.quantize} if self.quantize != "none" else {})
+                    {"quantize": self.quantize} if self.quantize != "none" else {}) | (
+                    {"recurrent": self.recurrent} if self.recurrent != "compress" else {})
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> CompressionOptions:
