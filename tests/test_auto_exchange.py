@@ -521,15 +521,19 @@ def test_fit_callbacks_re_decide_once_and_without_them_the_build_decision_stays(
 
 def test_the_groups_byte_costs_are_computed_once_per_build(mirrored2, monkeypatch):
     """Deciding whether the exchange stays dense for good and the chooser's build-time
-    decision read one computation of the groups' byte costs."""
+    decision read one computation of the groups' byte costs, over one fusion plan."""
     from tf_blocksparse.auto import auto_exchange
     from tf_blocksparse.keras import exchange_schedule
+    from tf_blocksparse.keras import optimizer_step as step
 
-    calls = []
+    calls, plans = [], []
     for module in (exchange_schedule, auto_exchange):
         real = module.group_cost
         monkeypatch.setattr(module, "group_cost", lambda *a, _real=real, _m=module.__name__,
                             **k: calls.append(_m) or _real(*a, **k))
+    real_plan = step.fusion_plan
+    monkeypatch.setattr(step, "fusion_plan", lambda *a, **k: plans.append(1) or
+                        real_plan(*a, **k))
     with mirrored2.scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(64),
                                   keras.layers.Dense(4)])
@@ -539,3 +543,4 @@ def test_the_groups_byte_costs_are_computed_once_per_build(mirrored2, monkeypatc
     groups = opt.exchange_chooser.groups
     assert len(groups) >= 2 and opt.exchange_decision is not None
     assert calls == [exchange_schedule.__name__] * len(groups)
+    assert len(plans) == 1

@@ -55,6 +55,7 @@ class ExchangeSchedule:
         self.auto = AutoExchangeRuntime(owner) if changing else None
         self.backward_ranks: list[int] | None = None
         self._costs: tuple[tuple[Any, ...], list[GroupCost]] | None = None
+        self._groups: tuple[tuple[Any, ...], list[list[int]]] | None = None
 
     def build(self, var_list: Sequence[Any], model: Any) -> None:
         """Orders the variables for fusion (before the owner's Keras build)."""
@@ -134,11 +135,18 @@ class ExchangeSchedule:
         return step.fusion_plan(specs, range(len(specs)), self.backward_ranks, buffer)
 
     def _groups_of(self, variables: Sequence[Any]) -> list[list[int]]:
-        """Indices into ``variables`` of every fusion group (one group without a buffer)."""
+        """Indices into ``variables`` of every fusion group (one group without a buffer),
+        planned once per set of shapes, dtypes, backward order and buffer (the build asks
+        for them twice: :meth:`dense_for_good` and :meth:`bind`)."""
+        key = ([(tuple(v.shape), v.dtype) for v in variables], self.backward_ranks,
+               self._owner.fusion_buffer_bytes)
+        if self._groups is not None and self._groups[0] == key:
+            return [list(g) for g in self._groups[1]]
         plan = self._plan_of(variables) if variables else None
-        if plan is None:
-            return [list(range(len(variables)))]
-        return [list(g.members) for g in plan.groups]
+        groups = ([list(range(len(variables)))] if plan is None
+                  else [list(g.members) for g in plan.groups])
+        self._groups = key, groups
+        return [list(g) for g in groups]
 
     def group_dtypes(self, groups: Sequence[Sequence[int]]) -> list[list[Any]]:
         """The dtypes of the variables of each of ``groups`` (variable indices)."""
