@@ -48,7 +48,9 @@ def test_train_pipeline_flags_are_checked(args):
     assert flag in proc.stderr
 
 
+# A 3-worker cluster end to end: `make test-slow`.
 @needs_root
+@pytest.mark.slow
 def test_train_pipeline_trains_every_plan_on_the_cluster(tmp_path):
     proc = _run("launch.train_pipeline", "--workers=3", "--model=cnn_small",
                 "--bandwidth_mbit=400", "--steps=2", "--warmup_steps=1", "--batch_size=32",
@@ -95,7 +97,9 @@ def test_train_hybrid_on_workers_matches_data_parallel(tmp_path):
     assert all(0 < b < 900 * 2**20 for b in rec["conv_worker_idle_bytes"])
 
 
+# A memory-capped 3-worker cluster end to end: `make test-slow`.
 @needs_root
+@pytest.mark.slow
 def test_train_hybrid_refuses_fc_state_on_a_capped_conv_worker(tmp_path):
     # 8192 units: the planned FC state alone (about 1 GiB) exceeds the cap, whatever the
     # worker's idle footprint (about 620-700 MiB, depending on what TensorFlow imports)

@@ -54,8 +54,11 @@ def _ops_fit(exchange: str, dense_below: int):
     return model, hist, ops
 
 
-@pytest.mark.parametrize("exchange,dense_below", [("allgather", 0), ("shared", 0),
-                                                  ("allgather", 100), ("shared", 100)])
+# Two settings in the default suite (both modes, with and without variables sent whole);
+# the mixed ones are heavy and run with `make test-slow`.
+@pytest.mark.parametrize("exchange,dense_below", [
+    ("allgather", 0), pytest.param("shared", 0, marks=pytest.mark.slow),
+    pytest.param("allgather", 100, marks=pytest.mark.slow), ("shared", 100)])
 def test_same_weights_as_the_optimizer_wrapper(mirrored2, exchange, dense_below):
     via_ops, hist, ops = _ops_fit(exchange, dense_below)
     # the ops side's Keras SGD applies global momentum after the exchange: so must the wrapper
@@ -103,7 +106,8 @@ def test_bind_model_needs_a_model():
         tfbs.BlockSparseCrossDeviceOps().bind_model(object())
 
 
-@pytest.mark.parametrize("buffer_bytes", [64, 2000, 10**6])
+@pytest.mark.parametrize("buffer_bytes", [64, pytest.param(2000, marks=pytest.mark.slow),
+                                          10**6])
 def test_fused_ops_bit_identical_to_default_reduction(mirrored2, buffer_bytes):
     key = ("fused", buffer_bytes)
     if key not in _STRATEGIES:
@@ -197,7 +201,8 @@ def test_nonfinite_gradients_leave_residuals_and_reach_the_optimizer():
                                bad[0][1] + bad[1][1], rtol=1e-6)
 
 
-@pytest.mark.parametrize("exchange,dense_below", [("allgather", 0), ("shared", 100)])
+@pytest.mark.parametrize("exchange,dense_below", [
+    ("allgather", 0), pytest.param("shared", 100, marks=pytest.mark.slow)])
 def test_fusion_and_compression_together_match_the_optimizer_wrapper(mirrored2, exchange,
                                                                       dense_below):
     """Fusion buckets and block sparsity composed under one MirroredStrategy.

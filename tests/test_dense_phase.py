@@ -62,7 +62,7 @@ def _dense_run(strategy):
         keras.optimizers.SGD(0.1, momentum=0.9), exchange="dense"))[2]
 
 
-@pytest.mark.parametrize("mode", ["allgather", "shared"])
+@pytest.mark.parametrize("mode", ["allgather", pytest.param("shared", marks=pytest.mark.slow)])
 def test_dense_steps_are_the_dense_exchange_then_compress(mirrored2, mode):
     """dense_steps=3 over SGD with momentum (moved into momentum correction once sparse):
     steps 1-3 are exchange="dense"'s weights (bit for bit) and bytes, the later ones send
@@ -86,7 +86,7 @@ def test_dense_steps_are_the_dense_exchange_then_compress(mirrored2, mode):
     assert any(np.any(r.value.values[0].numpy()) for r in opt.residuals)
 
 
-@pytest.mark.parametrize("mode", ["allgather", "shared"])
+@pytest.mark.parametrize("mode", ["allgather", pytest.param("shared", marks=pytest.mark.slow)])
 def test_momentum_carries_over_the_switch(mirrored2, mode):
     """Every block sent (density=1.0) with local momentum 0.9 and no masking: the dense
     phase has the momentum in the inner SGD, the sparse one in the velocities; moved at the
@@ -112,7 +112,7 @@ class _StopAt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-@pytest.mark.parametrize("dense_steps", [2, 6])
+@pytest.mark.parametrize("dense_steps", [pytest.param(2, marks=pytest.mark.slow), 6])
 def test_a_resumed_run_continues_the_dense_phase_or_the_sparse_one(mirrored2, tmp_path,
                                                                    dense_steps):
     """Interrupted after epoch 0 (4 steps) and resumed from ``tfbs.BackupAndRestore``: past

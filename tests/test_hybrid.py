@@ -308,6 +308,8 @@ def _run_script(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# The script end to end (several processes): `make test-slow`.
+@pytest.mark.slow
 def test_train_hybrid_verifies_against_data_parallel() -> None:
     r = _run_script("launch.train_hybrid", "--dataset=digits", "--conv_replicas=3",
                     "--fc_replicas=2", "--steps=2", "--batch_size=15", "--fc_units=32",

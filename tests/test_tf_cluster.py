@@ -174,7 +174,10 @@ def test_memory_cap_oom_kill_is_counted_and_cleaned_up():
     assert paths and not any(os.path.exists(p) for p in paths.values())
 
 
+# A cluster driven into the OOM killer: `make test-slow` (the cap and its count are
+# checked here by test_memory_cap_oom_kill_is_counted_and_cleaned_up).
 @needs_root
+@pytest.mark.slow
 def test_oom_killed_worker_is_reported_and_nothing_is_left(tmp_path):
     out = tmp_path / "alloc.json"
     stream = io.StringIO()

@@ -232,6 +232,8 @@ def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
     assert sent[0] > sent[1] == m["payload_bytes_per_step"], sent
 
 
+# A 2-worker cluster with the automatic exchange end to end: `make test-slow`.
+@pytest.mark.slow
 def test_auto_exchange_run_records_every_decision(tmp_path):
     """--exchange=auto: the record holds the build-time choice (step 0) and the re-decision
     after the warm-up, each with its modes and measured inputs."""
@@ -260,6 +262,8 @@ def test_every_step_trains_the_global_batch(mwms_runs):
         assert got["examples"] == 64 * got["steps"], got
 
 
+# Heavy (two 2-worker clusters, ~35 s): `make test-slow` (CI runs it).
+@pytest.mark.slow
 def test_kill_and_resume_is_exact_and_backups_read_no_replica_state(tmp_path, whole_run,
                                                                      capsys):
     """A 2-worker run killed mid-epoch and resumed ends with the same weights and optimizer
