@@ -251,11 +251,6 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "--outer_momentum needs --outer_lr (without both the library's default applies)",
         **fv)
     flags.register_multi_flags_validator(
-        ["sync_every", "exchange", "compression"],
-        lambda f: not f["sync_every"] or f["compression"] == "dense" or f["exchange"] != "auto",
-        "--sync_every needs a fixed --exchange (allgather, shared or dense): the automatic "
-        "exchange decides per step", **fv)
-    flags.register_multi_flags_validator(
         ["lr_schedule", "warmup_epochs", "epochs"],
         lambda f: not f["warmup_epochs"] or (f["lr_schedule"] == "cosine"
                                              and f["warmup_epochs"] < f["epochs"]),

@@ -394,7 +394,7 @@ def test_all_dense_auto_is_the_dense_exchange_bit_for_bit(mirrored2):
     assert again.inner_optimizer.momentum == 0.9 and again._auto.inner_momentum
 
 
-@pytest.mark.parametrize("mode", ["allgather", "shared"])
+@pytest.mark.parametrize("mode", ["allgather", pytest.param("shared", marks=pytest.mark.slow)])
 def test_one_sparse_mode_everywhere_is_that_exchange_bit_for_bit(mirrored2, mode):
     fixed, _ = _momentum_fit(mirrored2, mode, 3, density=0.1)
     auto, opt = _momentum_fit(mirrored2, "auto", 3, modes=mode, density=0.1,

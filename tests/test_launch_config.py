@@ -31,6 +31,7 @@ COMMAND_LINES = [
      "--dense_below=1024", "--momentum_masking=none", "--density_warmup=0.5,0.25"],
     ["--compression=topk", "--k=3", "--exchange=allgather", "--quantize=bfloat16"],
     ["--model=gru_nmt", "--compression=block", "--exchange=allgather", "--recurrent=whole"],
+    ["--compression=block", "--density=0.05", "--sync_every=16"],  # the automatic exchange
 ]
 
 
@@ -86,11 +87,9 @@ def test_stated_keeps_only_flags_at_their_default():
     (lambda: Method(CompressionOptions(block_rules={"kernel": "element"})), "flags"),
     (lambda: Method(CompressionOptions(dense_steps=10)), "flags"),
     (lambda: Method(DENSE, momentum_masking="waited"), "--momentum_masking"),
-    (lambda: Method(CompressionOptions(), sync_every=4), "--sync_every"),
     (lambda: Method(CompressionOptions(exchange="allgather"), outer_momentum=0.5),
      "--outer_momentum"),
-], ids=["dense_k", "block_rules", "dense_steps", "dense_masking", "auto_local_steps",
-        "outer_momentum"])
+], ids=["dense_k", "block_rules", "dense_steps", "dense_masking", "outer_momentum"])
 def test_a_method_launch_train_would_refuse_is_an_error(make, match):
     with pytest.raises(ValueError, match=match):
         make()

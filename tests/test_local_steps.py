@@ -235,6 +235,8 @@ def _copies(strategy, variables):
             for v in variables]
 
 
+# Three fits with backups (~30 s): `make test-slow`.
+@pytest.mark.slow
 def test_killed_inside_a_window_and_resumed_trains_as_the_uninterrupted_run(mirrored2,
                                                                             tmp_path,
                                                                             monkeypatch):
@@ -271,6 +273,113 @@ def test_killed_inside_a_window_and_resumed_trains_as_the_uninterrupted_run(mirr
             np.testing.assert_array_equal(x, y)
 
 
+def test_the_automatic_exchange_pinned_to_a_mode_is_that_exchange(mirrored2):
+    """``exchange=AutoExchange(candidates=(mode,))`` with local steps trains as ``mode``, bit
+    for bit (the automatic exchange's runtime adds nothing to a window)."""
+    def make(exchange):
+        return lambda: tfbs.BlockSparseOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9), k=1, dense_below=0, exchange=exchange,
+            sync_every=3, outer=keras.optimizers.SGD(1.0))
+
+    want, _, _ = _run(mirrored2, make("allgather"), 7)
+    got, opt, _ = _run(mirrored2, make(tfbs.AutoExchange(candidates=("allgather",))), 7)
+    assert opt.exchange_chooser.modes == ["allgather"]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_automatic_exchange_weighs_a_window_and_a_switch_loses_nothing(mirrored2):
+    """``exchange="auto"`` with ``sync_every=3``: the build-time prior is a window's compute
+    (3 steps), the default outer step is plain SGD(1.0); a group switched from ``allgather``
+    to ``dense`` sends its pseudo-gradient plus its residual at the next synchronisation
+    (NumPy: every replica's inner SGD moved it by ``lr * sum(g)``), after which no residual
+    is left, and the eager synchronisation is re-traced with the new mode."""
+    lr = 0.1
+    model = _model(mirrored2)
+    variables = model.trainable_variables
+    with mirrored2.scope():
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(lr), k=1, dense_below=0,
+                                        exchange="auto", sync_every=3)
+        opt.build(variables)
+    assert opt.steps_per_exchange == 3 and opt.exchange_chooser.steps_per_exchange == 3
+    decision = opt.exchange_decision
+    assert decision.compute_s == pytest.approx(
+        3 * opt.exchange.prior_compute_s(decision.groups))
+    outer = opt.outer_optimizer
+    assert float(outer.learning_rate.numpy()) == 1.0 and outer.momentum == 0.0
+
+    def trace():
+        @tf.function
+        def step(grads):
+            mirrored2.run(lambda g: opt.apply(list(g), variables), args=(grads,))
+        return step
+
+    def window(step_fn, first):
+        for s in range(first, first + 3):
+            step_fn(mirrored2.experimental_distribute_values_from_function(
+                lambda ctx, s=s: tuple(tf.constant(g) for g in
+                                       _grads(s, ctx.replica_id_in_sync_group))))
+
+    opt.exchange_chooser.set_modes(["allgather"])
+    window(trace(), 0)
+    weights = [v.numpy() for v in variables]
+    residuals = _copies(mirrored2, opt.residuals)
+    assert any(np.any(r != 0) for per_var in residuals for r in per_var)
+    opt.exchange_chooser.set_modes(["dense"])
+    window(trace(), 3)
+    for i, w in enumerate(weights):
+        sent = sum(lr * sum(_grads(s, r)[i] for s in range(3, 6)) + residuals[i][r]
+                   for r in range(2))
+        np.testing.assert_allclose(variables[i].numpy(), w - sent, rtol=1e-5, atol=1e-6)
+    assert all(np.all(r == 0) for per_var in _copies(mirrored2, opt.residuals)
+               for r in per_var)
+    one = trace()
+
+    def one_step(s):
+        one(mirrored2.experimental_distribute_values_from_function(
+            lambda ctx: tuple(tf.constant(g) for g in _grads(s, ctx.replica_id_in_sync_group))))
+
+    one_step(6)
+    opt.synchronize()  # the eager synchronisation, traced with the dense mode
+    assert opt._local._sync_fn is not None
+    opt.exchange_chooser.set_modes(["allgather"])
+    assert opt._local._sync_fn is None  # dropped with the change
+    synced, real = [], opt._local.synchronize_replica
+    opt._local.synchronize_replica = lambda *a, **k: (
+        synced.append(opt.exchange_chooser.mode_of(0)), real(*a, **k))[1]
+    one = trace()
+    one_step(7)
+    del synced[:]  # the step's own trace of its synchronisation branch
+    opt.synchronize()
+    assert synced == ["allgather", "allgather"]  # traced again, once per replica
+
+
+def test_fit_with_the_automatic_exchange_re_decides_and_ends_synchronised(mirrored2):
+    """``model.fit`` with ``exchange="auto"`` and ``sync_every=4``: ``fit_callbacks`` adds
+    both callbacks, the exchange is re-decided after the warm-up with the measured time of a
+    window, and training ends with every replica on the same weights."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((96, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = _model(mirrored2)
+    with mirrored2.scope():
+        opt = tfbs.BlockSparseOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9), sync_every=4, density=0.25,
+            exchange=tfbs.AutoExchange(warmup_steps=6, remeasure_steps=0))
+        model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callbacks = tfbs.fit_callbacks(model)
+    assert {type(c) for c in callbacks} == {tfbs.AutoExchangeCallback,
+                                            tfbs.LocalStepsCallback}
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
+    auto = next(c for c in callbacks if isinstance(c, tfbs.AutoExchangeCallback))
+    assert [s for s, _ in auto.decisions] == [6]
+    assert auto.decisions[0][1].compute_s > 0  # a window's measured compute
+    assert int(opt._state.window.numpy()) == 0
+    for v in model.trainable_variables:
+        copies = [c.numpy() for c in mirrored2.experimental_local_results(v.value)]
+        np.testing.assert_array_equal(copies[0], copies[1])
+
+
 @pytest.mark.parametrize("kwargs,named", [
     ({"sync_every": 0}, "sync_every"),
     ({"sync_every": True}, "sync_every"),
@@ -278,7 +387,6 @@ def test_killed_inside_a_window_and_resumed_trains_as_the_uninterrupted_run(mirr
     ({"sync_every": 4, "outer": "sgd"}, "outer"),
     ({"sync_every": 4, "clipping": tfbs.clipping.LocalNormClip(1.0)}, "clipping"),
     ({"sync_every": 4, "gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
-    ({"sync_every": 4, "exchange": "auto"}, "exchange"),
     ({"sync_every": 4, "momentum_correction": 0.9}, "momentum_correction"),
 ])
 def test_bad_local_step_arguments_are_named(kwargs, named):

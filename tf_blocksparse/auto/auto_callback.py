@@ -117,8 +117,8 @@ class AutoExchangeCallback(OptimizerCallback):
         exchange_s = (total - self._window_start[0]) / max(1.0, steps - self._window_start[1])
         step_s = float(np.median(self._walls))
         compute_s = max(0.0, step_s - exchange_s)
-        every = opt.accumulation_steps
-        if every > 1:  # per exchange: `every` micro-steps, at most half of which exchange
+        every = opt.steps_per_exchange
+        if every > 1:  # per exchange: `every` (micro- or local) steps, one of which exchanges
             compute_s = every * float(np.percentile(self._walls, 25))
         chooser = opt.exchange_chooser
         before = list(chooser.modes)

@@ -87,6 +87,10 @@ class ExchangeChooser:
         (the owner moves state that lives in a different place per mode).
       costs: Per group, its bytes per mode without compression time
         (:func:`~tf_blocksparse.exchange_bytes.group_cost`) when the caller has them.
+      steps_per_exchange: Training steps per exchange (accumulated micro-steps or local
+        steps): the policy weighs one exchange against that many steps of compute, so the
+        prior compute time before any step is timed is that many steps' worth (a measured
+        ``compute_s`` passed to :meth:`decide` is per exchange already).
 
     Attributes:
       modes: Per group, the mode in use.
@@ -100,8 +104,9 @@ class ExchangeChooser:
                  groups: Sequence[Sequence[int]], compressors: Sequence[BlockTopK],
                  dtypes: Sequence[Sequence[Any]],
                  on_change: Callable[[list[str], list[str]], None] | None = None,
-                 costs: Sequence[GroupCost] | None = None):
+                 costs: Sequence[GroupCost] | None = None, steps_per_exchange: int = 1):
         self.policy = policy
+        self.steps_per_exchange = steps_per_exchange
         self.on_change = on_change
         self.strategy = strategy
         self.groups = [list(g) for g in groups]
@@ -140,8 +145,9 @@ class ExchangeChooser:
         (collectives), eagerly in cross-replica context.
 
         Args:
-          compute_s: This worker's measured seconds per step outside the exchange
-            (averaged over the workers here); ``None``: not measured yet, the policy's
+          compute_s: This worker's measured seconds outside the exchange per exchange (per
+            step, or per window of ``steps_per_exchange`` steps), averaged over the workers
+            here; ``None``: not measured yet, ``steps_per_exchange`` times the policy's
             :meth:`~AutoExchange.prior_compute_s` is used.
           remeasure: Time the collectives and the compression again; otherwise reuse the
             last decision's measurements (only ``compute_s`` is new).
@@ -181,7 +187,7 @@ class ExchangeChooser:
                 compute = link_probe.agree_mean(strategy, [compute_s or 0.0])[0]
             costs = self._costs(link, compute)
             if not measured:  # every worker derives the same prior from the agreed costs
-                compute = policy.prior_compute_s(costs)
+                compute = self.steps_per_exchange * policy.prior_compute_s(costs)
             decision = policy.decide(link, costs, compute, self.modes, hysteresis=hysteresis,
                                      switch_s=switch_s, steps_left=steps_left)
             codes = link_probe.from_first_replica(strategy, [CANDIDATES.index(m)

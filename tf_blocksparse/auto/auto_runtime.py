@@ -67,7 +67,10 @@ class AutoExchangeRuntime:
             momentum is not None and momentum.active
             and isinstance(inner, keras.optimizers.SGD) and not inner.nesterov
             and not inner.momentum)
-        self.flush_at_switch = mode_switch.flushes_at_switch(inner, self.inner_momentum)
+        # local steps exchange progress for the outer optimizer: a group that turns dense
+        # sends its residual with its next pseudo-gradient, never through the inner one
+        self.flush_at_switch = (owner.sync_every is None and
+                                mode_switch.flushes_at_switch(inner, self.inner_momentum))
         self.chooser: ExchangeChooser | None = None
         self._variables: list[Any] = []
         if self.inner_momentum:
@@ -88,7 +91,8 @@ class AutoExchangeRuntime:
         if not self._owner.compression.auto:
             return
         self.chooser = ExchangeChooser(self._owner.exchange, strategy, groups, compressors,
-                                       dtypes, costs=costs)
+                                       dtypes, costs=costs,
+                                       steps_per_exchange=self._owner.steps_per_exchange)
         if can_measure():  # nothing is traced yet: free to choose any modes
             self.chooser.decide(hysteresis=False)
         self.chooser.on_change = self._on_modes_change
@@ -158,6 +162,7 @@ class AutoExchangeRuntime:
         every group dense."""
         if not self.dense_phase:
             self._move(old, new)
+        self._owner.modes_changed()
 
     def _move(self, old: Sequence[str], new: Sequence[str]) -> None:
         """Moves per-group state between its dense and sparse homes (eagerly, every worker

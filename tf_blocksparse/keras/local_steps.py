@@ -31,6 +31,12 @@ training; ``model.fit``'s end synchronises also without it (the wrapper's
 ``finalize_variable_values``).  A partial window is exchanged like a full one.  A custom loop calls
 :meth:`BlockSparseOptimizer.synchronize` before it evaluates or saves.
 
+``exchange="auto"`` decides per fusion group as for the per-step exchange, with the
+exchange's time spread over the ``sync_every`` steps of a window (the policy weighs a window:
+``sync_every`` steps of compute and one exchange).  A group that turns dense sends its
+pseudo-gradient plus its residual at its next synchronisation (nothing is lost); the
+synchronisation is re-traced after a change.
+
 Non-finite values: a replica whose gradient is not finite applies a zero gradient instead
 (no communication decides it; the inner optimizer's momentum still moves the weights); a
 pseudo-gradient that is not finite on some replica is dropped on every replica, which all
@@ -61,6 +67,10 @@ def default_outer(sparse: bool) -> keras.optimizers.Optimizer:
       DiLoCo's Nesterov momentum on top, 5% of the blocks ended 9.7 points below dense,
       without it 0.4 points below;
     - the dense exchange: DiLoCo's ``SGD(0.7)`` with Nesterov momentum 0.9.
+
+    ``exchange="auto"`` counts as sparse: a group may be exchanged either way, and plain
+    ``SGD(1.0)`` is safe in both (dense, it is model averaging), where the Nesterov step
+    compounds with error feedback on the sparse groups.
     """
     if sparse:
         return keras.optimizers.SGD(1.0)
@@ -68,7 +78,7 @@ def default_outer(sparse: bool) -> keras.optimizers.Optimizer:
 
 
 def check_local_steps(sync_every: Any, outer: Any, *, clipping: Sequence[Any],
-                      accumulation_steps: int, auto: bool) -> None:
+                      accumulation_steps: int) -> None:
     """Checks the local-step arguments of ``BlockSparseOptimizer``.
 
     Raises:
@@ -92,9 +102,6 @@ def check_local_steps(sync_every: Any, outer: Any, *, clipping: Sequence[Any],
     if accumulation_steps > 1:
         raise ValueError("`gradient_accumulation_steps` does not combine with `sync_every` "
                          "(local steps already exchange once per window)")
-    if auto:
-        raise ValueError("`exchange='auto'` does not combine with `sync_every` yet: pass "
-                         "exchange='allgather', 'shared' or 'dense'")
 
 
 def local_gradients(grads: Sequence[tf.Tensor], num_replicas: int
@@ -179,6 +186,11 @@ class LocalSteps:
         self._strategy: Any = None
         self._variables: list[Any] = []
         self._sync_fn: Any = None
+
+    def retrace(self) -> None:
+        """Drops the traced synchronisation (the exchange's modes changed): the next
+        :meth:`synchronize` traces it again."""
+        self._sync_fn = None
 
     def build(self, var_list: Sequence[Any], add_variable_from_reference: Callable[..., Any]
               ) -> tuple[list[keras.Variable], keras.Variable]:

@@ -156,6 +156,7 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
         self.inner_optimizer, self.nonfinite = inner, nonfinite
         self.fusion_buffer_bytes = fusion_buffer_bytes
         self.accumulation_steps, self.clipping = args.accumulation_steps, args.clipping
+        self.sync_every, self.outer_optimizer = args.sync_every, args.outer
         self._clip = ClippingTransform(args.clipping, lambda: self._unit_axes)
         self._momentum = MomentumTransform(args.momentum)
         self._model = model
@@ -167,7 +168,6 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
         self.layouts: list[blocks.BlockLayout] = []
         self._unit_axes: list[tuple[int, ...] | None] = []
         self._state: WrapperState | None = None
-        self.sync_every, self.outer_optimizer = args.sync_every, args.outer
         inner_optimizer.take_over(inner, args.outer)
         # components: the exchange; local steps or accumulation (each owns its step and
         # calls the exchange once per window); Keras saving
@@ -243,6 +243,19 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
             if self.loss_scaled_by is None:
                 self.loss_scaled_by = "keras"
         super().__setattr__(name, value)
+
+    @property
+    def steps_per_exchange(self) -> int:
+        """Training steps per exchange: ``gradient_accumulation_steps``, ``sync_every``, or
+        1 (every step exchanges)."""
+        return self.accumulation_steps if self.accumulation_steps > 1 else (
+            self.sync_every or 1)
+
+    def modes_changed(self) -> None:
+        """The automatic exchange changed some group's mode (after moving its state):
+        traced functions of the exchange other than Keras' train function are dropped."""
+        if self._local is not None:
+            self._local.retrace()
 
     def agreed_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Whether no replica's ``grads`` hold an inf or NaN (the same on every replica: one

@@ -224,8 +224,7 @@ def resolve_arguments(inner: keras.optimizers.Optimizer, compression: Any, *,
     if sync_every is not None and compression is None and "exchange" not in options:
         options["exchange"] = "allgather"  # the automatic exchange times per-step syncs
     compression, momentum = split_arguments(inner, compression, momentum_correction, options)
-    local_steps.check_local_steps(sync_every, outer, clipping=rules, accumulation_steps=every,
-                                  auto=compression.auto)
+    local_steps.check_local_steps(sync_every, outer, clipping=rules, accumulation_steps=every)
     if sync_every is not None and momentum is not None:
         raise ValueError("`momentum_correction` does not combine with `sync_every`: the "
                          "inner optimizer's momentum stays local")

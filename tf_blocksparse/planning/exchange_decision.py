@@ -25,8 +25,10 @@ class ExchangeDecision:
       modes: Per fusion group, ``"dense"``, ``"allgather"`` or ``"shared"``.
       link: The measured collective costs.
       groups: The groups' sizes and compression times.
-      compute_s: Measured time per step outside the exchange (0 when not yet known).
-      step_s: Predicted step time with ``modes`` (compute + exchanges).
+      compute_s: Measured time per step outside the exchange (0 when not yet known); per
+        exchange (a window of steps) with accumulated micro-steps or local steps.
+      step_s: Predicted step time with ``modes`` (compute + exchanges; per exchange as
+        ``compute_s``).
       dense_step_s: Predicted step time with every group dense.
       objective_s: Predicted time-to-accuracy proxy of ``modes`` (module docstring).
       dense_objective_s: The same for all dense.
