@@ -470,3 +470,29 @@ def test_zero_size_variable_is_rejected():
 
     with pytest.raises(ValueError, match="no elements"):
         b.rule_for("m/dense/kernel", (3, 0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs=st.lists(st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=3),
+                                st.sampled_from([None, "GRU", "LSTMCell", "Dense"]),
+                                st.booleans()), min_size=1, max_size=6),
+       dense_below=st.sampled_from([0, 16, 1024]), k=st.integers(1, 4))
+def test_recurrent_whole_sends_exactly_the_recurrent_variables_whole_too(specs, dense_below,
+                                                                        k):
+    """``recurrent="whole"`` adds the recurrent layouts to the variables sent whole (all
+    their blocks, no ids) and changes nothing else; the bytes nothing delays are theirs."""
+    from tf_blocksparse.exchange_bytes import group_cost
+    from tf_blocksparse.feedback import BlockTopK
+    layouts = [blocks.BlockLayout(f"m/l{i}/{'recurrent_kernel' if rk else 'kernel'}",
+                                  tuple(shape), blocks.RULES["output_channel"], cls)
+               for i, (shape, cls, rk) in enumerate(specs)]
+    plain = BlockTopK(layouts, k=k, dense_below=dense_below)
+    whole = BlockTopK(layouts, k=k, dense_below=dense_below, recurrent="whole")
+    for lay, a, b, na, nb in zip(layouts, plain.whole, whole.whole, plain.counts,
+                                 whole.counts):
+        assert b == (a or lay.recurrent)
+        assert nb == (lay.num_blocks if b else na)
+    f32 = ["float32"] * len(layouts)
+    cost = group_cost(whole, f32)
+    assert cost.recurrent_bytes == 0
+    assert cost.dense_bytes == group_cost(plain, f32).dense_bytes

@@ -142,18 +142,20 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         role = self._role or worker_role(self._strategy())
         if self._writing is not None:  # one file in writing at a time
             self._writing.join()
-        if opt is not None:  # the values now; the file in the background (see restore)
+        if role.is_chief:  # the model checkpoint is the chief's alone
+            os.makedirs(self.backup_dir, exist_ok=True)
+            if opt is None:
+                super()._save_model()
+            else:
+                with opt.replica_state_apart():
+                    super()._save_model()
+        # the values now (training waits for this callback, so the chief's are those of its
+        # checkpoint); the file in the background, after the chief's checkpoint so that the
+        # two writes do not compete (see restore for a crash between them)
+        if opt is not None:
             self._writing = replica_state.save(opt, self._state_dir, role.index,
                                                role.num_workers, background=True,
                                                write=self._write_state)
-        if not role.is_chief:  # the model checkpoint is the chief's alone
-            return
-        os.makedirs(self.backup_dir, exist_ok=True)
-        if opt is None:
-            super()._save_model()
-            return
-        with opt.replica_state_apart():
-            super()._save_model()
 
     def on_train_end(self, logs: dict | None = None) -> None:
         failed = None
