@@ -244,19 +244,6 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
                 self.loss_scaled_by = "keras"
         super().__setattr__(name, value)
 
-    @property
-    def steps_per_exchange(self) -> int:
-        """Training steps per exchange: ``gradient_accumulation_steps``, ``sync_every``, or
-        1 (every step exchanges)."""
-        return self.accumulation_steps if self.accumulation_steps > 1 else (
-            self.sync_every or 1)
-
-    def modes_changed(self) -> None:
-        """The automatic exchange changed some group's mode (after moving its state):
-        traced functions of the exchange other than Keras' train function are dropped."""
-        if self._local is not None:
-            self._local.retrace()
-
     def agreed_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Whether no replica's ``grads`` hold an inf or NaN (the same on every replica: one
         scalar all-reduce).  An outer ``LossScaleOptimizer`` checks with it, so all replicas

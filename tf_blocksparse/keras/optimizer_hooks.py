@@ -30,6 +30,7 @@ class WrapperHooks:
     _saving: KerasSaving
     _local: LocalSteps | None
     accumulation_steps: int
+    sync_every: int | None
 
     @property
     def gradient_accumulation_steps(self) -> int | None:
@@ -41,6 +42,20 @@ class WrapperHooks:
     def gradient_accumulation_steps(self, value: int | None) -> None:
         if value:  # Keras' constructor sets None; the wrapper's own is the constructor's
             raise AttributeError("gradient_accumulation_steps is set by the constructor")
+
+    @property
+    def steps_per_exchange(self) -> int:
+        """Training steps per exchange: ``gradient_accumulation_steps``, ``sync_every``, or
+        1 (every step exchanges)."""
+        return self.accumulation_steps if self.accumulation_steps > 1 else (
+            self.sync_every or 1)
+
+    def modes_changed(self) -> None:
+        """The automatic exchange changed some group's mode (after moving its state):
+        traced functions of the exchange other than Keras' train function are dropped
+        (with ``sync_every``, the eager synchronisation)."""
+        if self._local is not None:
+            self._local.retrace()
 
     # -- saving --------------------------------------------------------------------------
     def replica_state_apart(self) -> contextlib.AbstractContextManager[None]:
