@@ -9,7 +9,10 @@ on Fashion-MNIST (digits when absent, said so), with TF op determinism on.  Ever
 method); the test accuracy counts every test image exactly once (``test_correct`` /
 ``test_examples`` per seed).  Runs go seed by seed (every method's seed 0 first) and
 ``OUT/convergence.json`` is written after every run, so an interrupted bench keeps what
-finished and ``--resume`` continues it (also with more seeds or models);
+finished and ``--resume`` continues it (also with more seeds or models); with
+``--strategy=mirrored`` a run itself trains in ``OUT/partial/MODEL-METHOD-seedN`` and backs up
+after every epoch, so a run killed midway (a session's end) resumes from its last epoch when
+the same command runs again (:func:`launch.experiments.run_in_one_process`);
 ``OUT/convergence.png`` shows the test accuracy per epoch, mean over seeds with a +-std band.
 
     python -m launch.bench_convergence [--models=cnn_small,resnet20] [--seeds=0,1,2]
@@ -296,8 +299,10 @@ def main(argv: list[str]) -> None:
                     print(f"{model} {name} seed {seed}: kept from {path}", flush=True)
                     continue
                 config = experiments.train_config(name, f.density, seed=seed, **budget)
-                if f.strategy == "mirrored":
-                    rec = experiments.run_in_one_process(name, config, f.num_workers)
+                if f.strategy == "mirrored":  # resumable by epoch: killed, rerun it
+                    rec = experiments.run_in_one_process(
+                        name, config, f.num_workers,
+                        run_dir=os.path.join(f.out, "partial", f"{model}-{name}-seed{seed}"))
                 else:
                     rec = experiments.run_training(name, config, f.num_workers)
                 rec["model"], rec["method"] = model, name

@@ -143,20 +143,36 @@ def run_training(method: str, config: TrainConfig, num_workers: int,
 
 
 def run_in_one_process(method: str, config: TrainConfig, num_devices: int,
-                       timeout_s: float = 0.0) -> dict:
+                       timeout_s: float = 0.0, run_dir: str | None = None) -> dict:
     """Trains once in one process under ``MirroredStrategy`` on ``num_devices`` logical CPUs
     (the same wrapper and exchange per replica as a ``num_devices``-worker cluster, without
     the processes) and returns its metrics record, as :func:`run_training` does.
 
+    Args:
+      method: The method's name (recorded).
+      config: The run (its strategy, devices and model directory are set here).
+      num_devices: Logical CPUs, one replica each.
+      timeout_s: Seconds before the run is killed (0: none).
+      run_dir: Where the run trains and backs up after every epoch; the same call after a
+        kill (another process, another session) resumes it from its last backup, and its
+        record still holds every epoch (:mod:`launch.progress`).  Removed once the record is
+        read.  A directory left by a run of other flags is started afresh.  ``None``: a
+        temporary directory.
+
     Raises:
-        RuntimeError: The training process failed (with the tail of its output).
+        RuntimeError: The training process failed (with the tail of its output), or a
+          resumed run's record lacks its first epochs.
     """
+    import shutil
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
-        run = config.replace(strategy="mirrored", num_devices=num_devices, model_dir=tmp,
-                             deterministic=True)
+        model_dir = run_dir or tmp
+        run = config.replace(strategy="mirrored", num_devices=num_devices,
+                             model_dir=model_dir, deterministic=True)
         cmd = [*TRAIN, *run.to_flags()]
+        if run_dir is not None:
+            _claim_run_dir(run_dir, cmd)
         t0 = time.perf_counter()
         env = {**os.environ, "TFBS_LAUNCH_TIME": repr(time.time())}
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -165,11 +181,39 @@ def run_in_one_process(method: str, config: TrainConfig, num_devices: int,
         if proc.returncode != 0:
             raise RuntimeError(f"{method}: exited with {proc.returncode}\n"
                                f"{(proc.stdout + proc.stderr)[-3000:]}")
-        with open(os.path.join(tmp, "metrics.json")) as fh:
+        with open(os.path.join(model_dir, "metrics.json")) as fh:
             record = json.load(fh)
-    record["launcher_wall_s"] = round(wall, 2)
+    if record.get("history_from_epoch", 0):
+        raise RuntimeError(f"{method}: resumed at epoch {record['initial_epoch']} without "
+                           f"the figures of its first epochs ({model_dir}); remove the "
+                           "directory to train it afresh")
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    record["launcher_wall_s"] = round(wall, 2)  # this process's (since a resume)
     record["method"] = method
     return record
+
+
+def _claim_run_dir(run_dir: str, cmd: Sequence[str]) -> None:
+    """Keeps ``run_dir`` for a resume if the run it holds had the command line ``cmd``;
+    otherwise empties it and records ``cmd`` there."""
+    import shutil
+
+    path = os.path.join(run_dir, "command.json")
+    if os.path.exists(run_dir):
+        try:
+            with open(path) as fh:
+                same = json.load(fh) == list(cmd[len(TRAIN):])
+        except (OSError, ValueError):
+            same = False
+        if same:
+            print(f"{run_dir}: resuming", flush=True)
+            return
+        print(f"{run_dir}: another run's directory, started afresh", flush=True)
+        shutil.rmtree(run_dir)
+    os.makedirs(run_dir)
+    with open(path, "w") as fh:
+        json.dump(list(cmd[len(TRAIN):]), fh)
 
 
 def slim(record: dict) -> dict:

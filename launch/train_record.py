@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from launch import runtime
+from launch import progress, runtime
 from launch.config import TrainConfig
 from launch.train_steps import Setup, Watchers
 
@@ -56,12 +56,16 @@ def make_record(config: TrainConfig, setup: Setup, watchers: Watchers, model: An
     local_steps, m = bool(config.method.sync_every), figures
     chooser = opt.exchange_chooser
     steps = int(opt.iterations.numpy())
+    resumed_at = initial_epoch(model)
+    whole, epochs, history_from = progress.merge(
+        watchers.saved_progress, resumed_at, history.history, watchers.epoch_fields())
     return {
         "test_accuracy": results.accuracy, "test_loss": results.loss,
         "test_examples": results.examples, "test_correct": results.correct,
         "test_counted": results.counted,
-        "epochs": config.epochs, "epochs_trained": len(watchers.clock.train_s),
-        "initial_epoch": initial_epoch(model),
+        "epochs": config.epochs, "epochs_trained": len(epochs["train_s_per_epoch"]),
+        "initial_epoch": resumed_at,
+        "history_from_epoch": history_from,  # 0: the history holds every epoch
         "steps": steps, "steps_per_epoch": setup.steps,
         "wall_s": round(wall_s, 2), "payload_bytes_per_step": int(m["payload_bytes"]),
         "dense_bytes_per_step": int(m["dense_bytes"]),
@@ -76,13 +80,15 @@ def make_record(config: TrainConfig, setup: Setup, watchers: Watchers, model: An
         "auto_measure_s": round(watchers.measuring_s(), 3),  # measuring and deciding
         "auto_decisions": _auto_decisions(watchers.auto),
         "replicas": setup.strategy.num_replicas_in_sync, "dataset": setup.arrays.name,
-        "history": {k: [float(v) for v in vals] for k, vals in history.history.items()},
-        "train_s_per_epoch": watchers.clock.train_s,
+        "history": {k: [float(v) for v in vals] for k, vals in whole.items()},
+        "train_s_per_epoch": epochs["train_s_per_epoch"],
         # what a user waits for: seconds since launch at every epoch's end (evaluation and
-        # backup included), when training began, and per epoch the evaluation and backup
-        "epoch_wall_s": watchers.wall_clock.epoch_wall_s,
+        # backup included; a resumed run's continue from its saved epochs), when training
+        # began, and per epoch the evaluation and backup
+        "epoch_wall_s": epochs["epoch_wall_s"],
         "start_s": watchers.wall_clock.start_s,
-        "eval_s_per_epoch": watchers.validation_s, "backup_s_per_epoch": watchers.backup_s,
+        "eval_s_per_epoch": epochs["eval_s_per_epoch"],
+        "backup_s_per_epoch": epochs["backup_s_per_epoch"],
         "end_wall_s": round(since_launch(), 3),  # the final model saved
         "flags": config.flag_values(),
         "tensorflow": tf.__version__,

@@ -64,6 +64,8 @@ class Watchers:
       backup: The timed backup (``None`` without one).
       auto: The automatic exchange's callback (``None`` unless the exchange is automatic).
       measuring_s: The automatic exchange's build-time measurements so far, in seconds.
+      saved_progress: The model directory's per-epoch figures from before this process
+        (:mod:`launch.progress`; ``None``: none).
     """
 
     callbacks: list
@@ -74,6 +76,14 @@ class Watchers:
     backup: Any | None
     auto: Any | None
     measuring_s: Callable[[], float]
+    saved_progress: dict | None = None
+
+    def epoch_fields(self) -> dict[str, list[float]]:
+        """This process's per-epoch clocks (:data:`launch.progress.EPOCH_FIELDS`)."""
+        return {"train_s_per_epoch": list(self.clock.train_s),
+                "epoch_wall_s": list(self.wall_clock.epoch_wall_s),
+                "eval_s_per_epoch": list(self.validation_s),
+                "backup_s_per_epoch": list(self.backup_s)}
 
     @property
     def validation_s(self) -> list[float]:
@@ -153,8 +163,9 @@ def make_callbacks(config: TrainConfig, setup: Setup, opt: Any,
     import keras
 
     import tf_blocksparse as tfbs
-    from launch import inputs
+    from launch import inputs, progress
     from tf_blocksparse.auto.link_probe import barrier
+    from tf_blocksparse.keras.backup import initial_epoch
     from tf_blocksparse.keras.evaluation import ExactValidation
 
     method, logs = config.method, os.path.join(config.model_dir or "", "logs")
@@ -190,6 +201,11 @@ def make_callbacks(config: TrainConfig, setup: Setup, opt: Any,
     clock = cb.epoch_clock(before_s=measuring_s, barrier=lambda: barrier(setup.strategy))
     wall_clock = cb.wall_clock(since_launch)  # after evaluation and backup: counts them
     callbacks += [clock, wall_clock]
+    made: list[Watchers] = []  # the figures' owner, once made (below)
+    saved = progress.read(config.model_dir) if backup_dir(config) else None
+    if setup.chief and backup_dir(config):  # after the backup: a resumed run has every epoch
+        callbacks.append(progress.progress_callback(
+            config.model_dir, lambda: made[0].epoch_fields(), initial_epoch, saved))
     if setup.chief:  # last: it prints what the callbacks before it added
         callbacks.append(cb.progress(config.epochs, config.block_metrics,
                                      out=lambda line: print(line, flush=True)))
@@ -201,8 +217,9 @@ def make_callbacks(config: TrainConfig, setup: Setup, opt: Any,
         timed_validation = cb.timed(validation)
         callbacks.insert(0, timed_validation)
     callbacks += opt.fit_callbacks(callbacks)  # the dense phase's end, local steps' syncs
-    return Watchers(callbacks, clock, wall_clock, validation, timed_validation, backup, auto,
-                    measuring_s)
+    made.append(Watchers(callbacks, clock, wall_clock, validation, timed_validation, backup,
+                         auto, measuring_s, saved))
+    return made[0]
 
 
 def fit(config: TrainConfig, setup: Setup, model: Any, watchers: Watchers

@@ -140,3 +140,44 @@ def test_known_methods_validator():
     assert experiments.known_methods(["dense", "topk"], experiments.METHODS)
     assert not experiments.known_methods([], experiments.METHODS)
     assert not experiments.known_methods(["dense", "nope"], experiments.METHODS)
+
+
+def test_a_run_directory_of_the_same_command_is_kept_for_a_resume(tmp_path, capsys):
+    run_dir = tmp_path / "partial" / "cnn_small-dense-seed0"
+    cmd = [*experiments.TRAIN, "--epochs=3", f"--model_dir={run_dir}"]
+    experiments._claim_run_dir(str(run_dir), cmd)  # new: created, the command recorded
+    (run_dir / "backup").mkdir()
+    experiments._claim_run_dir(str(run_dir), cmd)  # the same command: kept
+    assert (run_dir / "backup").exists() and "resuming" in capsys.readouterr().out
+    experiments._claim_run_dir(str(run_dir), [*cmd, "--lr=0.1"])  # another run: afresh
+    assert not (run_dir / "backup").exists()
+    assert json.loads((run_dir / "command.json").read_text())[-1] == "--lr=0.1"
+    (run_dir / "command.json").write_text("{not json")  # unreadable: afresh too
+    (run_dir / "backup").mkdir()
+    experiments._claim_run_dir(str(run_dir), cmd)
+    assert not (run_dir / "backup").exists()
+
+
+# Three small training processes (~30 s): `make test-slow`.
+@pytest.mark.slow
+def test_a_run_killed_after_an_epoch_resumes_in_its_directory_with_every_epoch(tmp_path):
+    """A one-process run killed in epoch 2 and called again resumes from its backup; its
+    record holds all three epochs, equal to the uninterrupted run's (op determinism)."""
+    config = experiments.TrainConfig.from_args([
+        "--dataset=digits", "--model=cnn_small", "--batch_size=64", "--epochs=3",
+        "--steps_per_epoch=6", "--compression=block", "--exchange=allgather"])
+    whole = experiments.run_in_one_process("block", config, 2)
+    run_dir = tmp_path / "partial" / "run"
+    killed = config.replace(fail_at_step=8, fail_worker=0)
+    with pytest.raises(RuntimeError, match="exited with 17"):
+        experiments.run_in_one_process("block", killed, 2, run_dir=str(run_dir))
+    assert (run_dir / "progress.json").exists()
+    # the same call as the killed one, without the fault: its command is the run's
+    plain = [a for a in json.loads((run_dir / "command.json").read_text())
+             if not a.startswith("--fail_")]
+    (run_dir / "command.json").write_text(json.dumps(plain))
+    resumed = experiments.run_in_one_process("block", config, 2, run_dir=str(run_dir))
+    assert resumed["initial_epoch"] == 1 and resumed["history_from_epoch"] == 0
+    assert resumed["history"]["val_accuracy"] == whole["history"]["val_accuracy"]
+    assert resumed["test_correct"] == whole["test_correct"]
+    assert len(resumed["train_s_per_epoch"]) == 3 and not run_dir.exists()

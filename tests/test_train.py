@@ -291,7 +291,9 @@ def test_kill_and_resume_is_exact_and_backups_read_no_replica_state(tmp_path, wh
                             f"--dump_restored={tmp_path}/restored"], 2, env=ENV, timeout_s=300)
     assert rc == 0
     m = json.loads((broken / "metrics.json").read_text())
-    assert m["initial_epoch"] == 1 and len(m["history"]["loss"]) == 2
+    # the history holds every epoch: the first from the progress saved before the kill
+    assert m["initial_epoch"] == 1 and m["history_from_epoch"] == 0
+    assert len(m["history"]["loss"]) == 3 and m["epochs_trained"] == 3
     for i, state in enumerate(saved):
         restored = np.load(tmp_path / f"restored.worker_{i}.npz")
         meta = json.loads(str(state["meta"]))
@@ -309,7 +311,9 @@ def test_kill_and_resume_is_exact_and_backups_read_no_replica_state(tmp_path, wh
     ref = json.loads((whole / "metrics.json").read_text())
     for key in ("test_correct", "test_loss", "test_examples"):
         assert m[key] == ref[key], key
-    assert m["history"]["val_loss"] == ref["history"]["val_loss"][1:]
+    assert m["history"]["val_loss"] == ref["history"]["val_loss"]
+    assert m["history"]["val_correct"] == ref["history"]["val_correct"]
+    assert all(a < b for a, b in zip(m["train_s_per_epoch"], m["train_s_per_epoch"][1:]))
     a, b = final_weights(whole), final_weights(broken)
     assert a.keys() == b.keys() and len(a) > 10
     for name in a:
