@@ -11,6 +11,7 @@ to the collectives per step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -189,6 +190,8 @@ def run_in_one_process(method: str, config: TrainConfig, num_devices: int,
                            "directory to train it afresh")
     if run_dir is not None:
         shutil.rmtree(run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the parent of the partial runs, once empty
+            os.rmdir(os.path.dirname(os.path.abspath(run_dir)))
     record["launcher_wall_s"] = round(wall, 2)  # this process's (since a resume)
     record["method"] = method
     return record

@@ -180,4 +180,4 @@ def test_a_run_killed_after_an_epoch_resumes_in_its_directory_with_every_epoch(t
     assert resumed["initial_epoch"] == 1 and resumed["history_from_epoch"] == 0
     assert resumed["history"]["val_accuracy"] == whole["history"]["val_accuracy"]
     assert resumed["test_correct"] == whole["test_correct"]
-    assert len(resumed["train_s_per_epoch"]) == 3 and not run_dir.exists()
+    assert len(resumed["train_s_per_epoch"]) == 3 and not run_dir.parent.exists()
