@@ -380,6 +380,30 @@ def test_fit_with_the_automatic_exchange_re_decides_and_ends_synchronised(mirror
         np.testing.assert_array_equal(copies[0], copies[1])
 
 
+def test_the_end_of_a_dense_phase_re_traces_the_synchronisation(mirrored2):
+    """``dense_steps`` with local steps: the eager synchronisation traced during the dense
+    phase is dropped when the phase ends, so the next one exchanges in the sparse mode."""
+    model = _model(mirrored2)
+    variables = model.trainable_variables
+    with mirrored2.scope():
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), k=1, dense_below=0,
+                                        exchange="allgather", sync_every=2, dense_steps=2)
+        opt.build(variables)
+
+    @tf.function
+    def step(grads):
+        mirrored2.run(lambda g: opt.apply(list(g), variables), args=(grads,))
+
+    for s in range(3):
+        step(mirrored2.experimental_distribute_values_from_function(
+            lambda ctx, s=s: tuple(tf.constant(g) for g in
+                                   _grads(s, ctx.replica_id_in_sync_group))))
+    opt.synchronize()  # traced in the dense phase
+    assert opt._local._sync_fn is not None and opt.in_dense_phase
+    assert opt.update_dense_phase()
+    assert opt._local._sync_fn is None
+
+
 @pytest.mark.parametrize("kwargs,named", [
     ({"sync_every": 0}, "sync_every"),
     ({"sync_every": True}, "sync_every"),

@@ -155,6 +155,7 @@ class AutoExchangeRuntime:
             return False
         self.dense_phase = False
         self._move(["dense"] * len(self._groups), self._modes())
+        self._owner.modes_changed()
         return True
 
     def _on_modes_change(self, old: Sequence[str], new: Sequence[str]) -> None:
