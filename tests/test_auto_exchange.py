@@ -118,6 +118,8 @@ def test_remeasuring_keeps_within_its_budget_of_the_training_time(mirrored2):
     decision = types.SimpleNamespace(step_s=0.01)
     policy = tfbs.AutoExchange(remeasure_steps=4)  # budget 1%
     assert remeasure_gap(policy, mirrored2, decision, 0.5) == 5000  # 0.5 s / (1% of 10 ms)
+    # with 8 steps per exchange the decision's 10 ms is a window's: 5000 windows
+    assert remeasure_gap(policy, mirrored2, decision, 0.5, steps_per_exchange=8) == 40000
     assert remeasure_gap(policy, mirrored2, decision, 1e-6) == 4
     assert remeasure_gap(policy, mirrored2, decision, None) == 4
     assert remeasure_gap(policy, mirrored2, None, 0.5) == 4

@@ -21,7 +21,8 @@ __all__ = ["AutoExchangeCallback", "remeasure_gap"]
 
 
 def remeasure_gap(policy: AutoExchange, strategy: tf.distribute.Strategy,
-                  decision: ExchangeDecision | None, spent_s: float | None) -> float:
+                  decision: ExchangeDecision | None, spent_s: float | None,
+                  steps_per_exchange: int = 1) -> float:
     """Steps until the next re-measurement: ``policy.remeasure_steps``, or more so that
     measuring takes at most ``policy.measure_budget`` of the training time.
 
@@ -31,6 +32,8 @@ def remeasure_gap(policy: AutoExchange, strategy: tf.distribute.Strategy,
       decision: The decision just taken (``None``: nothing was measured).
       spent_s: This worker's seconds of that decision's measuring; ``None`` where it
         re-measured nothing (the first re-decision reuses the build-time figures).
+      steps_per_exchange: Training steps per exchange (accumulated micro-steps or local
+        steps): the decision's step time is that of a whole window then.
 
     Returns:
       The gap in steps (``inf``: never again).  Every worker gets the same one: the
@@ -44,8 +47,8 @@ def remeasure_gap(policy: AutoExchange, strategy: tf.distribute.Strategy,
         return every
     with strategy.scope():
         spent = link_probe.agree_mean(strategy, [spent_s])[0]
-    step_s = max(decision.step_s, 1e-9)
-    return max(every, math.ceil(spent / (policy.measure_budget * step_s)))
+    window_s = max(decision.step_s, 1e-9)  # per exchange
+    return max(every, steps_per_exchange * math.ceil(spent / (policy.measure_budget * window_s)))
 
 
 class AutoExchangeCallback(OptimizerCallback):
@@ -137,7 +140,7 @@ class AutoExchangeCallback(OptimizerCallback):
                 self.model.make_train_function(force=True)
         self._next = self._steps + remeasure_gap(
             opt.exchange, chooser.strategy, decision,
-            None if first else chooser.measure_s - spent)
+            None if first else chooser.measure_s - spent, steps_per_exchange=every)
         self._window_start = self._totals(opt)
         self._walls = []
 
