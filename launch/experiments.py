@@ -167,8 +167,9 @@ def run_in_one_process(method: str, config: TrainConfig, num_devices: int,
     import shutil
     import subprocess
 
-    with tempfile.TemporaryDirectory(prefix="tfbs_run_") as tmp:
-        model_dir = run_dir or tmp
+    scratch = (contextlib.nullcontext(run_dir) if run_dir is not None
+               else tempfile.TemporaryDirectory(prefix="tfbs_run_"))
+    with scratch as model_dir:
         run = config.replace(strategy="mirrored", num_devices=num_devices,
                              model_dir=model_dir, deterministic=True)
         cmd = [*TRAIN, *run.to_flags()]
