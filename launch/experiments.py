@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -164,7 +165,6 @@ def run_in_one_process(method: str, config: TrainConfig, num_devices: int,
         RuntimeError: The training process failed (with the tail of its output), or a
           resumed run's record lacks its first epochs.
     """
-    import shutil
     import subprocess
 
     scratch = (contextlib.nullcontext(run_dir) if run_dir is not None
@@ -172,9 +172,10 @@ def run_in_one_process(method: str, config: TrainConfig, num_devices: int,
     with scratch as model_dir:
         run = config.replace(strategy="mirrored", num_devices=num_devices,
                              model_dir=model_dir, deterministic=True)
-        cmd = [*TRAIN, *run.to_flags()]
+        flags = run.to_flags()
+        cmd = [*TRAIN, *flags]
         if run_dir is not None:
-            _claim_run_dir(run_dir, cmd)
+            _claim_run_dir(run_dir, flags)
         t0 = time.perf_counter()
         env = {**os.environ, "TFBS_LAUNCH_TIME": repr(time.time())}
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -198,16 +199,14 @@ def run_in_one_process(method: str, config: TrainConfig, num_devices: int,
     return record
 
 
-def _claim_run_dir(run_dir: str, cmd: Sequence[str]) -> None:
-    """Keeps ``run_dir`` for a resume if the run it holds had the command line ``cmd``;
-    otherwise empties it and records ``cmd`` there."""
-    import shutil
-
+def _claim_run_dir(run_dir: str, flags: Sequence[str]) -> None:
+    """Keeps ``run_dir`` for a resume if the run it holds had the ``launch.train`` flags
+    ``flags``; otherwise empties it and records ``flags`` there."""
     path = os.path.join(run_dir, "command.json")
     if os.path.exists(run_dir):
         try:
             with open(path) as fh:
-                same = json.load(fh) == list(cmd[len(TRAIN):])
+                same = json.load(fh) == list(flags)
         except (OSError, ValueError):
             same = False
         if same:
@@ -217,7 +216,7 @@ def _claim_run_dir(run_dir: str, cmd: Sequence[str]) -> None:
         shutil.rmtree(run_dir)
     os.makedirs(run_dir)
     with open(path, "w") as fh:
-        json.dump(list(cmd[len(TRAIN):]), fh)
+        json.dump(list(flags), fh)
 
 
 def slim(record: dict) -> dict:

@@ -264,8 +264,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         ["compression", *_SPARSE_ONLY], _dense_takes_no_sparse_options,
         "--compression=dense sends every gradient whole: --k, --density, --density_warmup, "
         "--quantize, --dense_below, --momentum_masking, --exchange, --metric and --recurrent "
-        "apply only to "
-        "--compression=block or topk", **fv)
+        "apply only to --compression=block or topk", **fv)
     flags.register_multi_flags_validator(
         ["save_freq", "model_dir"], lambda f: not f["save_freq"] or f["model_dir"],
         "--save_freq needs --model_dir (the backups go to MODEL_DIR/backup)", **fv)

@@ -144,7 +144,7 @@ def test_known_methods_validator():
 
 def test_a_run_directory_of_the_same_command_is_kept_for_a_resume(tmp_path, capsys):
     run_dir = tmp_path / "partial" / "cnn_small-dense-seed0"
-    cmd = [*experiments.TRAIN, "--epochs=3", f"--model_dir={run_dir}"]
+    cmd = ["--epochs=3", f"--model_dir={run_dir}"]  # the launch.train flags
     experiments._claim_run_dir(str(run_dir), cmd)  # new: created, the command recorded
     (run_dir / "backup").mkdir()
     experiments._claim_run_dir(str(run_dir), cmd)  # the same command: kept

@@ -23,6 +23,12 @@ def _grads(step: int, replica: int) -> list[np.ndarray]:
     return [rng.standard_normal(s).astype("float32") for s in SHAPES]
 
 
+def _replica_grads(strategy, step: int):
+    """``_grads(step, replica)`` as one distributed value, each replica its own."""
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tuple(tf.constant(g) for g in _grads(step, ctx.replica_id_in_sync_group)))
+
+
 def _model(strategy):
     with strategy.scope():
         keras.utils.set_random_seed(3)
@@ -45,9 +51,7 @@ def _run(strategy, opt_fn, steps, watch=None):
 
     seen = {}
     for s in range(steps):
-        step(strategy.experimental_distribute_values_from_function(
-            lambda ctx, s=s: tuple(tf.constant(g) for g in
-                                   _grads(s, ctx.replica_id_in_sync_group))))
+        step(_replica_grads(strategy, s))
         if watch and s in watch:
             seen[s] = [[c.numpy() for c in strategy.experimental_local_results(v.value)]
                        for v in variables]
@@ -316,9 +320,7 @@ def test_the_automatic_exchange_weighs_a_window_and_a_switch_loses_nothing(mirro
 
     def window(step_fn, first):
         for s in range(first, first + 3):
-            step_fn(mirrored2.experimental_distribute_values_from_function(
-                lambda ctx, s=s: tuple(tf.constant(g) for g in
-                                       _grads(s, ctx.replica_id_in_sync_group))))
+            step_fn(_replica_grads(mirrored2, s))
 
     opt.exchange_chooser.set_modes(["allgather"])
     window(trace(), 0)
@@ -336,8 +338,7 @@ def test_the_automatic_exchange_weighs_a_window_and_a_switch_loses_nothing(mirro
     one = trace()
 
     def one_step(s):
-        one(mirrored2.experimental_distribute_values_from_function(
-            lambda ctx: tuple(tf.constant(g) for g in _grads(s, ctx.replica_id_in_sync_group))))
+        one(_replica_grads(mirrored2, s))
 
     one_step(6)
     opt.synchronize()  # the eager synchronisation, traced with the dense mode
@@ -395,9 +396,7 @@ def test_the_end_of_a_dense_phase_re_traces_the_synchronisation(mirrored2):
         mirrored2.run(lambda g: opt.apply(list(g), variables), args=(grads,))
 
     for s in range(3):
-        step(mirrored2.experimental_distribute_values_from_function(
-            lambda ctx, s=s: tuple(tf.constant(g) for g in
-                                   _grads(s, ctx.replica_id_in_sync_group))))
+        step(_replica_grads(mirrored2, s))
     opt.synchronize()  # traced in the dense phase
     assert opt._local._sync_fn is not None and opt.in_dense_phase
     assert opt.update_dense_phase()
