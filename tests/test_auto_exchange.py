@@ -21,38 +21,53 @@ from tf_blocksparse.keras.momentum import mask_sent
 X = np.random.default_rng(0).standard_normal((32, 6)).astype("float32")
 
 
-def _linear_fit(strategy, exchange, steps, modes=None):
-    """A bias-free Dense(16) under ``loss = sum(outputs)``: every step's gradient is the same
-    (it does not depend on the weights), so error feedback's bookkeeping is checkable
-    exactly.  ``modes`` forces the groups' modes after the build."""
+def _linear_fit(strategy, exchange, epochs, modes=None):
+    """A bias-free Dense(16) under ``loss = sum(outputs)``, 2 steps of SGD(0.1) per epoch: every
+    step's gradient is the same (it does not depend on the weights), so error feedback's
+    bookkeeping is checkable exactly.  ``modes`` forces the groups' modes after the build.
+    Returns the model, the optimizer and the initial kernel."""
     with strategy.scope():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, use_bias=False)])
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), exchange=exchange, k=2,
                                         dense_below=0)
         model.compile(opt, loss=lambda y, p: tf.reduce_sum(p, axis=-1))
+    initial = model.get_weights()[0]
     if modes is not None:
         with strategy.scope():
             opt.build(model.trainable_variables)
         opt.exchange_chooser.set_modes(modes)
-    model.fit(X, np.zeros((32,), "float32"), batch_size=16, epochs=steps, verbose=0,
+    model.fit(X, np.zeros((32,), "float32"), batch_size=16, epochs=epochs, verbose=0,
               shuffle=False)
-    return model, opt
+    return model, opt, initial
+
+
+def _linear_dense_reference(initial, epochs):
+    """NumPy: :func:`_linear_fit`'s kernel after ``epochs`` of the dense exchange.  The
+    global batch's mean gradient of ``sum(x @ W)`` is the batch's mean ``x`` in every
+    column; the two batches of an epoch together take ``2 * 0.1 * mean(X)``."""
+    step = 2 * 0.1 * X.astype("float64").mean(axis=0)
+    return initial - epochs * step[:, None]
 
 
 def test_switching_to_dense_flushes_residuals_nothing_lost(mirrored2):
-    # 2 steps per epoch (32 examples, batch 16); dense reference: 3 epochs
-    dense, _ = _linear_fit(mirrored2, "dense", 3)
-    model, opt = _linear_fit(mirrored2, "auto", 2, modes=["allgather"])
+    model, opt, initial = _linear_fit(mirrored2, "auto", 2, modes=["allgather"])
     residual = opt.residuals[0].numpy()  # summed over replicas
     assert np.abs(residual).sum() > 0  # blocks were held back: the weights differ
-    assert not np.allclose(model.get_weights()[0], dense.get_weights()[0], atol=1e-5)
+    assert not np.allclose(model.get_weights()[0], _linear_dense_reference(initial, 2),
+                           atol=1e-5)
+    # what was sent plus what is held is exactly the dense exchange's update
+    np.testing.assert_allclose(model.get_weights()[0] - 0.1 * residual,
+                               _linear_dense_reference(initial, 2), rtol=1e-5, atol=1e-6)
     opt.exchange_chooser.set_modes(["dense"])  # then one more epoch, dense
     model.make_train_function(force=True)
     model.fit(X, np.zeros((32,), "float32"), batch_size=16, epochs=1, verbose=0,
               shuffle=False)
     assert opt.residuals[0].numpy() == pytest.approx(0.0)
-    np.testing.assert_allclose(model.get_weights()[0], dense.get_weights()[0],
+    np.testing.assert_allclose(model.get_weights()[0], _linear_dense_reference(initial, 3),
+                               rtol=1e-5, atol=1e-6)
+    dense, _, _ = _linear_fit(mirrored2, "dense", 1)  # the reference is the library's dense
+    np.testing.assert_allclose(dense.get_weights()[0], _linear_dense_reference(initial, 1),
                                rtol=1e-5, atol=1e-6)
 
 
@@ -91,6 +106,14 @@ def _fit_auto(strategy, policy, **kwargs):
     callback = tfbs.AutoExchangeCallback()
     model.fit(X, y, batch_size=8, epochs=3, verbose=0, callbacks=[callback])
     return opt, callback
+
+
+@functools.cache
+def _allgather_everywhere(strategy):
+    """:func:`_fit_auto` with the one candidate ``"allgather"`` over several fusion groups
+    (every variable compressed), fitted once per module: tests only read it."""
+    return _fit_auto(strategy, tfbs.AutoExchange(candidates=("allgather",)), dense_below=0,
+                     fusion_buffer_bytes=1024)
 
 
 def test_fit_measures_decides_and_reports(mirrored2):
@@ -168,8 +191,9 @@ def test_the_callback_weighs_a_switch_against_the_steps_left(mirrored2):
 @pytest.mark.parametrize("candidates,sparse", [(("allgather",), True), (("dense",), False)])
 def test_one_candidate_is_used_everywhere_and_nothing_is_measured(mirrored2, candidates,
                                                                    sparse):
-    opt, callback = _fit_auto(mirrored2, tfbs.AutoExchange(candidates=candidates),
-                              dense_below=0, fusion_buffer_bytes=1024)
+    opt, callback = (_allgather_everywhere(mirrored2) if sparse else
+                     _fit_auto(mirrored2, tfbs.AutoExchange(candidates=candidates),
+                               dense_below=0, fusion_buffer_bytes=1024))
     m = opt.block_sparse_metrics()
     assert (m["payload_bytes"] < m["dense_bytes"]) == sparse
     chooser = opt.exchange_chooser
@@ -316,8 +340,7 @@ def test_adjacent_groups_of_one_mode_share_their_collectives(mirrored2):
                       lambda a, b: a + b) == (
         [[0, 1, 2], [3], [4]], ["dense", "shared", "dense"])
     # all groups allgather: one id buffer with one flag, exactly the plain allgather bytes
-    policy = tfbs.AutoExchange(candidates=("allgather",))
-    auto, _ = _fit_auto(mirrored2, policy, dense_below=0, fusion_buffer_bytes=1024)
+    auto, _ = _allgather_everywhere(mirrored2)
     assert len(auto.exchange_chooser.modes) >= 2
     plain, _ = _fit_auto(mirrored2, "allgather", dense_below=0)
     assert auto.block_sparse_metrics()["payload_bytes"] == \
