@@ -146,7 +146,7 @@ bench-full: venv data
 	cp runs/vgg_local_tuning/convergence.json $(BENCH)/convergence_vgg_fc_local_tuning.json
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --out=runs/r20_long
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --methods=local_block --out=runs/r20_long
-	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0 --methods=local_dense --out=runs/r20_long
+	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --methods=local_dense --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	@if [ "$$(id -u)" = "0" ]; then \
 		$(PY) -m launch.bench_backup --epochs=6 --repeats=3 --out=$(BENCH) && \
