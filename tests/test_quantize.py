@@ -69,7 +69,7 @@ def test_integer_codes_err_by_at_most_half_a_step(v, mode):
         quantize.decode(words[None], v.shape[0], v.shape[1], mode).numpy(), sent.numpy())
 
 
-def _step(strategy, quantize_mode, sync_every=None):
+def _step(strategy, quantize_mode, sync_every=None, exchange="allgather"):
     with strategy.scope():
         keras.utils.set_random_seed(2)
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32),
@@ -77,7 +77,7 @@ def _step(strategy, quantize_mode, sync_every=None):
         extra = {} if sync_every is None else {"sync_every": sync_every,
                                                "outer": keras.optimizers.SGD(1.0)}
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(1.0), density=0.25,
-                                        dense_below=0, exchange="allgather",
+                                        dense_below=0, exchange=exchange,
                                         quantize=quantize_mode, **extra)
         opt.build(model.trainable_variables)
     variables = model.trainable_variables
@@ -123,10 +123,40 @@ def test_quantised_local_steps(mirrored2):
         np.testing.assert_allclose(a - b + k, g0 + g1, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sync_every", [None, 2])
+def test_the_automatic_exchange_sends_quantised_values_in_its_allgather_groups(mirrored2,
+                                                                              sync_every):
+    """``quantize`` under the automatic exchange: a group in ``"allgather"`` is the
+    quantised all-gather exchange bit for bit (weights, residuals, bytes), per step and
+    with local steps; a group in ``"dense"`` sends the plain sum, unquantised."""
+    def run(mode, exchange):
+        _, w, opt, _ = _step(mirrored2, mode, sync_every, exchange)
+        return w, [r.numpy() for r in opt.residuals], opt.block_sparse_metrics()
+
+    pinned = tfbs.AutoExchange(candidates=("allgather",))
+    for (a, ra, ma), (b, rb, mb) in [(run("int8", pinned), run("int8", "allgather")),
+                                     (run("int8", tfbs.AutoExchange(candidates=("dense",))),
+                                      run("none", "dense"))]:
+        for x, y in zip(a + ra, b + rb):
+            np.testing.assert_array_equal(x, y)
+        assert ma["payload_bytes"] == mb["payload_bytes"]
+
+
+def test_quantize_narrows_the_automatic_exchange_to_the_modes_that_carry_codes():
+    opts = tfbs.CompressionOptions(density=0.05, quantize="int8")  # exchange="auto"
+    assert opts.auto and opts.exchange.candidates == ("dense", "allgather")
+    assert tfbs.CompressionOptions.from_config(opts.get_config()) == opts
+    policy = tfbs.AutoExchange(candidates=("allgather", "dense"), warmup_steps=3)
+    assert tfbs.CompressionOptions(quantize="bfloat16", exchange=policy).exchange == policy
+    opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), density=0.05, quantize="int4")
+    assert opt.compression.exchange.candidates == ("dense", "allgather")
+
+
 @pytest.mark.parametrize("kwargs,named", [
     ({"quantize": "int3", "exchange": "allgather"}, "quantize"),
     ({"quantize": "int8", "exchange": "shared"}, "allgather"),
-    ({"quantize": "int8"}, "allgather"),  # the default exchange is "auto"
+    ({"quantize": "int8", "exchange": tfbs.AutoExchange(candidates=("shared",))},
+     "candidates"),
     ({"quantize": "int8", "exchange": "allgather", "granularity": "element",
       "density": 0.1}, "granularity"),
 ])

@@ -95,11 +95,14 @@ class CompressionOptions:
         residual); ``None`` or 0 compresses every variable.
       block_rules: ``{path regex: rule name}`` overriding the block-rule table (first match
         wins); stored as ordered ``(pattern, rule)`` pairs.
-      quantize: How each replica's selected block values travel (``exchange="allgather"``
-        only): ``"none"`` (default, their own dtype), ``"bfloat16"``, or ``"int8"`` /
+      quantize: How each replica's selected block values travel in the all-gather
+        exchange: ``"none"`` (default, their own dtype), ``"bfloat16"``, or ``"int8"`` /
         ``"int4"`` with a float32 scale per block (:mod:`~tf_blocksparse.quantize`).  The
         quantisation error stays in the residual, so nothing is lost.  Variables sent whole
-        are summed unquantised.
+        are summed unquantised.  Needs ``exchange="allgather"`` or the automatic exchange,
+        which then chooses per group between ``"dense"`` and ``"allgather"`` (``"shared"``
+        sums values in its collective, which codes cannot be): its candidates are stored
+        without ``"shared"``.
       recurrent: ``"compress"`` (default) or ``"whole"``: recurrent layers' variables
         (GRU, LSTM, SimpleRNN and their cells) sent whole every step, with no residual and
         their local momentum never masked; the other variables compressed as set.  Error
@@ -142,13 +145,29 @@ class CompressionOptions:
         object.__setattr__(self, "dense_steps", validate_dense_steps(self.dense_steps))
         check_choice(self.quantize, QUANTIZATIONS, "quantize")
         check_choice(self.recurrent, RECURRENT, "recurrent")
-        if self.quantize != "none" and self.exchange != "allgather":
-            raise ValueError(f"`quantize={self.quantize!r}` needs exchange='allgather' (the "
-                             f"other modes sum values in the collective), got exchange="
-                             f"{self.get_config()['exchange']!r}")
+        if self.quantize != "none":
+            self._check_quantized_exchange()
         if self.quantize in ("int8", "int4") and self.granularity == "element":
             raise ValueError("`quantize` with a scale per block needs granularity='block' (a "
                              "scale per element costs more than the value; use 'bfloat16')")
+
+    def _check_quantized_exchange(self) -> None:
+        """With ``quantize``: the all-gather exchange, or an automatic one narrowed to the
+        modes that carry coded values (``"dense"`` sends its sum unquantised)."""
+        policy = self.exchange
+        if isinstance(policy, AutoExchange):
+            carried = tuple(c for c in policy.candidates if c != "shared")
+            if not carried:
+                raise ValueError(f"`quantize={self.quantize!r}` needs 'allgather' or 'dense' "
+                                 "among the automatic exchange's `candidates` ('shared' "
+                                 f"sums values in its collective), got {policy.candidates!r}")
+            if carried != policy.candidates:
+                object.__setattr__(self, "exchange",
+                                   dataclasses.replace(policy, candidates=carried))
+        elif policy != "allgather":
+            raise ValueError(f"`quantize={self.quantize!r}` needs exchange='allgather' or "
+                             f"'auto' (the other modes sum values in the collective), got "
+                             f"exchange={policy!r}")
 
     @property
     def sparse(self) -> bool:
