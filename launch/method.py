@@ -103,7 +103,9 @@ class Method:
         o = self.options
         if not isinstance(o, CompressionOptions):
             raise ValueError(f"`options` must be a CompressionOptions, got {o!r}")
-        if o.block_rules or o.dense_steps or (o.auto and o.exchange != AutoExchange()):
+        # the automatic exchange that --exchange=auto gives (narrowed by --quantize)
+        if o.block_rules or o.dense_steps or (
+                o.auto and o.exchange != o.replace(exchange=AutoExchange()).exchange):
             raise ValueError("launch.train has no flags for `block_rules`, `dense_steps` or "
                              f"a custom automatic exchange: {o.get_config()}")
         if not o.sparse and o != DENSE:

@@ -76,6 +76,11 @@ METHODS: dict[str, MethodSpec] = {
     # form of DiLoCo's dense exchange of the progress).
     "local_block_20pct_nesterov": Method(_LOCAL_INT8.replace(density=0.2), sync_every=32,
                                          outer_lr=0.7, outer_momentum=0.9),
+    # local_block's compression under the automatic exchange, decided per window of 32
+    # steps: a dense exchange of the progress (model averaging, the same plain SGD(1.0)
+    # outer step) where compressing does not pay on the link, local_block where it does.
+    "local_auto": Method(_LOCAL_INT8.replace(exchange="auto"), sync_every=32,
+                         stated=frozenset({"exchange"})),
     # The block exchange with DiLoCo's Nesterov outer step (tried, 9.7 points below dense).
     "local_block_nesterov": Method(_LOCAL_INT8, sync_every=32, outer_lr=0.7,
                                    outer_momentum=0.9),

@@ -53,6 +53,8 @@ COMMAND_LINES = {
     "local_block_20pct_nesterov": ("--compression=block", "--density=0.2",
                                    "--exchange=allgather", "--quantize=int8", "--sync_every=32",
                                    "--outer_lr=0.7", "--outer_momentum=0.9"),
+    "local_auto": ("--compression=block", "--density=0.05", "--exchange=auto",
+                   "--quantize=int8", "--sync_every=32"),
     "local_block_nesterov": ("--compression=block", "--density=0.05", "--exchange=allgather",
                              "--quantize=int8", "--sync_every=32", "--outer_lr=0.7",
                              "--outer_momentum=0.9"),
