@@ -17,7 +17,7 @@ from launch.convergence_curves import epochs_to_target
 #: The automatic exchange's curve at a rate is that of the mode it chose there: all groups
 #: dense -> dense's, all sparse -> the same compression always applied.
 AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_default"},
-               "local_auto": {"allgather": "local_block"}}
+               "local_auto": {"dense": "local_average", "allgather": "local_block"}}
 
 
 def curves_of(method: str, record: dict) -> str | None:

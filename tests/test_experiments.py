@@ -53,6 +53,8 @@ COMMAND_LINES = {
     "local_block_20pct_nesterov": ("--compression=block", "--density=0.2",
                                    "--exchange=allgather", "--quantize=int8", "--sync_every=32",
                                    "--outer_lr=0.7", "--outer_momentum=0.9"),
+    "local_average": ("--compression=dense", "--sync_every=32", "--outer_lr=1.0",
+                      "--outer_momentum=0.0"),
     "local_auto": ("--compression=block", "--density=0.05", "--exchange=auto",
                    "--quantize=int8", "--sync_every=32"),
     "local_block_nesterov": ("--compression=block", "--density=0.05", "--exchange=allgather",
@@ -124,7 +126,7 @@ def test_every_method_is_a_valid_train_command_line(method: str):
         assert fv.compression == "dense" and fv.k is None and fv.density is None
     elif method.startswith("topk"):
         assert fv.compression == "topk" and fv.density in (0.05, 0.01)
-    elif method == "local_dense":  # DiLoCo: a dense exchange of the progress
+    elif method in ("local_dense", "local_average"):  # a dense exchange of the progress
         assert fv.compression == "dense" and fv.sync_every == 32
     else:
         assert fv.compression == "block"

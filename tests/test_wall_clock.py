@@ -58,10 +58,10 @@ def test_the_automatic_exchange_takes_the_curves_of_the_mode_it_chose():
     assert wc.curves_of("block_auto_default", {"auto_modes": ["allgather"] * 2}) == \
         "block_default"
     assert wc.curves_of("block_auto_default", {"auto_modes": ["dense", "allgather"]}) is None
-    # with local steps: local_block's compression under the automatic exchange; its dense
-    # mode (model averaging) has no converged curves of its own
+    # with local steps: local_block's compression under the automatic exchange, whose dense
+    # mode is model averaging
     assert wc.curves_of("local_auto", {"auto_modes": ["allgather"]}) == "local_block"
-    assert wc.curves_of("local_auto", {"auto_modes": ["dense"]}) is None
+    assert wc.curves_of("local_auto", {"auto_modes": ["dense"]}) == "local_average"
 
 
 def test_compose_takes_the_groups_that_were_timed():
