@@ -108,14 +108,6 @@ def _fit_auto(strategy, policy, **kwargs):
     return opt, callback
 
 
-@functools.cache
-def _allgather_everywhere(strategy):
-    """:func:`_fit_auto` with the one candidate ``"allgather"`` over several fusion groups
-    (every variable compressed), fitted once per module: tests only read it."""
-    return _fit_auto(strategy, tfbs.AutoExchange(candidates=("allgather",)), dense_below=0,
-                     fusion_buffer_bytes=1024)
-
-
 def test_fit_measures_decides_and_reports(mirrored2):
     policy = tfbs.AutoExchange(warmup_steps=4, remeasure_steps=4, measure_budget=None)
     opt, callback = _fit_auto(mirrored2, policy, fusion_buffer_bytes=1024)
@@ -191,9 +183,8 @@ def test_the_callback_weighs_a_switch_against_the_steps_left(mirrored2):
 @pytest.mark.parametrize("candidates,sparse", [(("allgather",), True), (("dense",), False)])
 def test_one_candidate_is_used_everywhere_and_nothing_is_measured(mirrored2, candidates,
                                                                    sparse):
-    opt, callback = (_allgather_everywhere(mirrored2) if sparse else
-                     _fit_auto(mirrored2, tfbs.AutoExchange(candidates=candidates),
-                               dense_below=0, fusion_buffer_bytes=1024))
+    opt, callback = _fit_auto(mirrored2, tfbs.AutoExchange(candidates=candidates),
+                              dense_below=0, fusion_buffer_bytes=1024)
     m = opt.block_sparse_metrics()
     assert (m["payload_bytes"] < m["dense_bytes"]) == sparse
     chooser = opt.exchange_chooser
@@ -340,7 +331,8 @@ def test_adjacent_groups_of_one_mode_share_their_collectives(mirrored2):
                       lambda a, b: a + b) == (
         [[0, 1, 2], [3], [4]], ["dense", "shared", "dense"])
     # all groups allgather: one id buffer with one flag, exactly the plain allgather bytes
-    auto, _ = _allgather_everywhere(mirrored2)
+    policy = tfbs.AutoExchange(candidates=("allgather",))
+    auto, _ = _fit_auto(mirrored2, policy, dense_below=0, fusion_buffer_bytes=1024)
     assert len(auto.exchange_chooser.modes) >= 2
     plain, _ = _fit_auto(mirrored2, "allgather", dense_below=0)
     assert auto.block_sparse_metrics()["payload_bytes"] == \
