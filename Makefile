@@ -132,6 +132,7 @@ bench-full: venv data
 	cp runs/vgg_lr_warmup/convergence.json $(BENCH)/convergence_vgg_fc_lr_warmup.json
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_dense,local_block
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0 --methods=local_block_nesterov
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_average
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_block_20pct_nesterov
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0 \
 		--methods=local_block,local_dense,local_block_nesterov
@@ -181,6 +182,10 @@ bench-full: venv data
 			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
 			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
 		cp runs/local_wall/time_to_accuracy.json $(BENCH)/local_steps_wall_clock.json && \
+		$(PY) -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=10,100 \
+			--methods=dense,local_block,local_auto --target_drop=0.005 --timing_steps=64 \
+			--convergence=$(CURVES) --out=runs/local_auto_wall && \
+		cp runs/local_auto_wall/time_to_accuracy.json $(BENCH)/local_steps_auto_wall_clock.json && \
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=10 \
 			--methods=dense,block_default,local_dense,local_block,local_block_20pct_nesterov \
 			--target_drop=0.005 \

@@ -81,6 +81,15 @@ def define_flags() -> None:
     flags.DEFINE_string("out", "benchmarks/results", "Output directory.")
 
 
+def _reused_parts(method: str, run: dict) -> dict:
+    """A kept timing's parts (updated in ``run``), whose curves are looked up again from
+    its runs' recorded modes: which curves stand for a mode may have been added since."""
+    records = run.get("repeat_records") or [run["record"]]
+    sources = {curves_of(method, rec) for rec in records}
+    run["parts"]["curves_of"] = sources.pop() if len(sources) == 1 else None
+    return run["parts"]
+
+
 def _train_config(method: str, model: str, budget: dict, epochs: int, steps: int,
                   seed: int, density: float | None, **fields: Any) -> TrainConfig:
     """The ``launch.train`` config of one run of ``method`` on the convergence ``budget``."""
@@ -121,7 +130,7 @@ def main(argv: list[str]) -> None:
             for method in f.methods]
     for key in todo:
         if key in old:
-            timings[key] = old[key]["parts"]
+            timings[key] = _reused_parts(key[2], old[key])
             runs.append(old[key])
     measured: dict[tuple, list[tuple[dict, dict]]] = {}
     full: dict[str, int] = {}
@@ -165,7 +174,7 @@ def main(argv: list[str]) -> None:
         runs.append(run)
     for key, run in old.items():  # timings of other models, rates and methods stay
         if key not in timings:
-            timings[key] = run["parts"]
+            timings[key] = _reused_parts(key[2], run)
             runs.append(run)
     models = list(dict.fromkeys([*f.models, *(k[0] for k in timings)]))
     methods = list(dict.fromkeys([*f.methods, *(k[2] for k in timings)]))

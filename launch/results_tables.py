@@ -252,7 +252,8 @@ TABLES = {"time_to_accuracy_early.json": time_to_accuracy_table,
           "time_to_accuracy_recurrent.json": wall_clock_table, "backup.json": backup_table,
           "pipeline_cluster.json": pipeline_cluster_table,
           "hybrid_cluster.json": hybrid_cluster_table,
-          "local_steps.json": local_steps_table}
+          "local_steps.json": local_steps_table,
+          "local_steps_auto_wall_clock.json": wall_clock_table}
 
 
 def source_file(name: str) -> str:
