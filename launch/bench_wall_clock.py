@@ -48,7 +48,13 @@ from launch import experiments, runtime, script
 from launch import flags as train_flags
 from launch.config import TrainConfig
 from launch.convergence_curves import PER_MODEL_BUDGET, epochs_to_target, load_convergence
-from launch.wall_clock_compose import compose, curves_of, epoch_parts, median_parts, timing_order
+from launch.wall_clock_compose import (
+    compose,
+    curves_of_runs,
+    epoch_parts,
+    median_parts,
+    timing_order,
+)
 
 FLAGS = flags.FLAGS
 
@@ -85,8 +91,7 @@ def _reused_parts(method: str, run: dict) -> dict:
     """A kept timing's parts (updated in ``run``), whose curves are looked up again from
     its runs' recorded modes: which curves stand for a mode may have been added since."""
     records = run.get("repeat_records") or [run["record"]]
-    sources = {curves_of(method, rec) for rec in records}
-    run["parts"]["curves_of"] = sources.pop() if len(sources) == 1 else None
+    run["parts"]["curves_of"] = curves_of_runs(method, records)
     return run["parts"]
 
 
@@ -148,12 +153,11 @@ def main(argv: list[str]) -> None:
                           "repeat": len(measured[key]), **parts}), flush=True)
     for key, done in measured.items():
         model, rate, method = key
-        sources = {curves_of(method, rec) for _, rec in done}
         modes = [rec.get("auto_modes") for _, rec in done]
         parts = (dict(done[0][0]) if len(done) == 1
                  else median_parts([p for p, _ in done], full[model]))
         # the automatic exchange's curves are those of its mode, if every repeat chose it
-        parts["curves_of"] = sources.pop() if len(sources) == 1 else None
+        parts["curves_of"] = curves_of_runs(method, [rec for _, rec in done])
         parts["auto_modes"] = modes[0] if all(m == modes[0] for m in modes) else modes
         if len(done) > 1:  # each repeat's, in the order taken
             parts["repeat_epoch_wall_s"] = [p["epoch_wall_s"] for p, _ in done]

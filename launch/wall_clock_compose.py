@@ -31,6 +31,13 @@ def curves_of(method: str, record: dict) -> str | None:
     return AUTO_CURVES[method].get(modes.pop())
 
 
+def curves_of_runs(method: str, records: list[dict]) -> str | None:
+    """:func:`curves_of` over a timing's repeated runs: the one source they agree on
+    (``None`` where the automatic exchange chose differently between them)."""
+    sources = {curves_of(method, rec) for rec in records}
+    return sources.pop() if len(sources) == 1 else None
+
+
 def epoch_parts(record: dict, full_steps: int) -> dict:
     """A timing run's per-epoch costs, scaled to an epoch of ``full_steps`` steps.
 

@@ -137,6 +137,7 @@ def test_the_automatic_exchange_sends_quantised_values_in_its_allgather_groups(m
     for (a, ra, ma), (b, rb, mb) in [(run("int8", pinned), run("int8", "allgather")),
                                      (run("int8", tfbs.AutoExchange(candidates=("dense",))),
                                       run("none", "dense"))]:
+        assert len(a + ra) == len(b + rb)
         for x, y in zip(a + ra, b + rb):
             np.testing.assert_array_equal(x, y)
         assert ma["payload_bytes"] == mb["payload_bytes"]

@@ -62,6 +62,10 @@ def test_the_automatic_exchange_takes_the_curves_of_the_mode_it_chose():
     # mode is model averaging
     assert wc.curves_of("local_auto", {"auto_modes": ["allgather"]}) == "local_block"
     assert wc.curves_of("local_auto", {"auto_modes": ["dense"]}) == "local_average"
+    # repeated runs stand for one source only where they agree
+    assert wc.curves_of_runs("local_auto", [{"auto_modes": ["dense"]}] * 2) == "local_average"
+    assert wc.curves_of_runs("local_auto", [{"auto_modes": ["dense"]},
+                                            {"auto_modes": ["allgather"]}]) is None
 
 
 def test_compose_takes_the_groups_that_were_timed():
