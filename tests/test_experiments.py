@@ -25,6 +25,8 @@ COMMAND_LINES = {
     "block_default": ("--compression=block", "--exchange=allgather"),
     "block_dense_below_512": ("--compression=block", "--exchange=allgather",
                               "--dense_below=512"),
+    "block_recurrent_whole": ("--compression=block", "--exchange=allgather",
+                              "--recurrent=whole"),
     "block_default_waited": ("--compression=block", "--exchange=allgather",
                              "--momentum_masking=waited"),
     "block_default_nomask": ("--compression=block", "--exchange=allgather",
