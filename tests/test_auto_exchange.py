@@ -257,6 +257,13 @@ def test_recurrent_whole_sends_recurrent_layers_whole_and_compresses_the_rest(mi
              for v, r in zip(model.trainable_variables, opt.residuals)}
     assert [n for p, n in norms.items() if "simple_rnn" in p] == [0.0, 0.0, 0.0]
     assert [n > 0 for p, n in norms.items() if "/fc/" in p] == [True, True], norms
+    # momentum correction's masking leaves the recurrent layer's momentum alone (sent whole,
+    # momentum SGD on it), while the sent block of the compressed kernel leaves its velocity
+    vel = {v.path: opt.velocities[i].value.values[0].numpy()
+           for i, v in enumerate(model.trainable_variables)}
+    assert all(np.all(u != 0) for p, u in vel.items() if "simple_rnn" in p), vel
+    fc = vel[next(p for p in vel if "/fc/kernel" in p)]
+    assert np.any(np.all(fc == 0, axis=0)) and np.any(fc != 0)
     m = opt.block_sparse_metrics()
     assert m["payload_bytes"] < m["dense_bytes"]
     for recurrent, dense_for_good in (("compress", True), ("whole", False)):
@@ -264,6 +271,32 @@ def test_recurrent_whole_sends_recurrent_layers_whole_and_compresses_the_rest(mi
         with mirrored2.scope():
             opt.build(model.trainable_variables)
         assert opt._schedule.dense_for_good(model.trainable_variables) is dense_for_good
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "shared"])
+def test_recurrent_layers_sent_whole_train_as_momentum_sgd(mirrored2, exchange):
+    """A model of recurrent layers only, ``recurrent="whole"``: every variable is sent whole
+    every step with its momentum never masked, so the weights are momentum SGD's (the dense
+    exchange's), not plain SGD's."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((32, 5, 3)).astype("float32")
+    y = rng.standard_normal((32, 6)).astype("float32")
+
+    def weights(**kwargs):
+        with mirrored2.scope():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((5, 3)), keras.layers.SimpleRNN(6)])
+            model.compile(tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                    **kwargs), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    dense = weights(exchange="dense")
+    whole = weights(exchange=exchange, recurrent="whole", dense_below=0)
+    plain = weights(exchange=exchange, dense_below=10**9)  # whole, but masked: plain SGD
+    for a, b in zip(whole, dense):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert any(not np.allclose(a, b, rtol=1e-3) for a, b in zip(plain, dense))
 
 
 def test_a_fixed_sparse_exchange_on_recurrent_layers_warns():

@@ -31,7 +31,8 @@ A sparse mode whose compressor keeps every block of every variable (``BlockTopK.
 ``density=1.0``, a ``k`` at least every block count, or every variable whole) selects nothing,
 so it runs as ``"dense"`` with its residuals (the dense bytes exactly, the weights of
 ``"dense"``); its result still says every block was sent (``blocks_kept``, ``sent_ids``), so
-momentum correction masks as in the sparse modes.
+momentum correction masks as in the sparse modes (there, as here, nothing of a recurrent
+layer's variable sent whole with ``recurrent="whole"``: its momentum carries on).
 
 Keras divides each replica's loss by the number of replicas, so a SUM is the mean.  Every
 mode also returns a replica-identical ``finite`` flag without a collective of its own (the
@@ -87,8 +88,8 @@ def _dense_keeping_all(comm: Any, comp: BlockTopK, grads: Sequence[Sequence[tf.T
     all_ids = []
     for r in range(len(grads)):
         with comm.local(r):
-            all_ids.append(tuple(tf.range(lay.num_blocks, dtype=tf.int32)
-                                 for lay in comp.layouts))
+            all_ids.append(tuple(None if kept else tf.range(lay.num_blocks, dtype=tf.int32)
+                                 for lay, kept in zip(comp.layouts, comp.momentum_kept)))
     return [dataclasses.replace(result, blocks_kept=sum(comp.counts), sent_ids=ids)
             for result, ids in zip(_dense(comm, grads, state), all_ids)]
 

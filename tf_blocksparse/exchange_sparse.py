@@ -37,8 +37,9 @@ class ExchangeResult:
       residual_norm: Scalar, the metric's norm (L1 or L2) of this replica's new residual,
         derived from the block scores without another pass over the tensors.
       sent_ids: Per variable, the block ids [k_v] int32 this replica moved out of its
-        residual (``None`` for dense; ``range(num_blocks)`` for a variable sent whole); what
-        momentum correction masks with.
+        residual; what momentum correction masks with.  ``range(num_blocks)`` for a variable
+        sent whole under ``dense_below``; ``None`` for dense and for a recurrent layer's sent
+        whole (``BlockTopK.momentum_kept``: its momentum carries on, momentum SGD on it).
     """
 
     updates: tuple[tf.Tensor, ...]
@@ -48,7 +49,7 @@ class ExchangeResult:
     dense_bytes: int
     blocks_kept: int
     residual_norm: tf.Tensor
-    sent_ids: tuple[tf.Tensor, ...] | None = None
+    sent_ids: tuple[tf.Tensor | None, ...] | None = None
 
 
 def _residual_norm(scores: Sequence[tf.Tensor], ids: Sequence[tf.Tensor], metric: str
@@ -139,7 +140,8 @@ def _results(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared],
         out.append(ExchangeResult(
             tuple(updates[p] for p in order), tuple(residuals[p] for p in order),
             tf.constant(True) if finite is None else finite, sum(p.nbytes for p in parts),
-            dense_nbytes(prep.accs), sum(comp.counts), norm, tuple(ids[r])))
+            dense_nbytes(prep.accs), sum(comp.counts), norm,
+            tuple(None if comp.momentum_kept[p] else ids[r][p] for p in order)))
     return out
 
 

@@ -102,6 +102,9 @@ class BlockTopK:
       whole: Per variable, true when it is sent whole (under ``dense_below``, or a
         recurrent layer's with ``recurrent="whole"``); the exchanges sum those densely,
         without block ids or scores.
+      momentum_kept: Per variable, true for a recurrent layer's sent whole: momentum
+        correction's masking leaves its local momentum alone (momentum SGD on it), where a
+        variable sent whole for being under ``dense_below`` counts every block as sent.
     """
 
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
@@ -118,6 +121,8 @@ class BlockTopK:
         self.whole: tuple[bool, ...] = tuple(
             lay.size < self.dense_below or (recurrent == "whole" and lay.recurrent)
             for lay in self.layouts)
+        self.momentum_kept: tuple[bool, ...] = tuple(
+            recurrent == "whole" and lay.recurrent for lay in self.layouts)
         self.counts: tuple[int, ...] = tuple(
             lay.num_blocks if whole
             else selection.num_selected(lay.num_blocks, self.k, self.density)

@@ -19,6 +19,10 @@ Maskings (which sent blocks are zeroed in the local momentum):
     Only blocks that had waited (a non-zero residual before this step), so blocks sent step
     after step keep their momentum and a block released after a wait does not carry its
     burst on.
+
+Variables sent whole count every block as sent, except recurrent layers' with
+``recurrent="whole"``: no masking touches their momentum (momentum SGD on them), which is
+what converged on recurrent models (docs/exchange.md).
 """
 
 from __future__ import annotations
