@@ -142,5 +142,6 @@ def warn_compressed_recurrent(compressor: Any) -> None:
             f"the sparse exchange compresses recurrent layers' variables {names}: error "
             "feedback's delay of them slows or stops convergence (k=1 on an LSTM translation "
             "model never converged). Use exchange='auto' (the default), which keeps them "
-            "dense, or send them whole every step with recurrent='whole'",
+            "dense, or send them whole every step with recurrent='whole' (then a GRU "
+            "translation model converged, an LSTM one in 1 of 3 seeds)",
             RecurrentCompressionWarning, stacklevel=3)
