@@ -36,6 +36,10 @@ METHODS: dict[str, MethodSpec] = {
     # The default with recurrent layers' variables sent whole every step (k=1 on the rest):
     # what compressing a GRU / LSTM model can save without error feedback's delay on them.
     "block_recurrent_whole": Method(CompressionOptions(exchange="allgather", recurrent="whole")),
+    # The same without momentum masking anywhere (what the tuning runs on gru_nmt / lstm_nmt
+    # used).
+    "block_recurrent_whole_nomask": Method(
+        CompressionOptions(exchange="allgather", recurrent="whole"), momentum_masking="none"),
     # The default with the other maskings of the local momentum (tuning runs on gru_nmt).
     "block_default_waited": Method(CompressionOptions(exchange="allgather"),
                                    momentum_masking="waited"),
@@ -96,7 +100,8 @@ DEMO_METHODS = {"dense": "dense", "block default": "block_auto_default",
                 "block k=1": "block_default", "block literal": "block_source"}
 #: The methods ``launch.bench_convergence`` may run, in its table's order.
 CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
-                       "block_recurrent_whole", "block_default_waited", "block_default_nomask",
+                       "block_recurrent_whole", "block_recurrent_whole_nomask",
+                       "block_default_waited", "block_default_nomask",
                        "block_default_dgc_warmup", "block_allgather",
                        "block_source", "block_k1_dgc", "block_k1_waited", "topk_1pct",
                        "local_dense", "local_average", "local_block", "local_block_20pct",

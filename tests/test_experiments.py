@@ -27,6 +27,8 @@ COMMAND_LINES = {
                               "--dense_below=512"),
     "block_recurrent_whole": ("--compression=block", "--exchange=allgather",
                               "--recurrent=whole"),
+    "block_recurrent_whole_nomask": ("--compression=block", "--exchange=allgather",
+                                     "--momentum_masking=none", "--recurrent=whole"),
     "block_default_waited": ("--compression=block", "--exchange=allgather",
                              "--momentum_masking=waited"),
     "block_default_nomask": ("--compression=block", "--exchange=allgather",
