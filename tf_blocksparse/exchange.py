@@ -88,8 +88,8 @@ def _dense_keeping_all(comm: Any, comp: BlockTopK, grads: Sequence[Sequence[tf.T
     all_ids = []
     for r in range(len(grads)):
         with comm.local(r):
-            all_ids.append(tuple(None if kept else tf.range(lay.num_blocks, dtype=tf.int32)
-                                 for lay, kept in zip(comp.layouts, comp.momentum_kept)))
+            all_ids.append(comp.ids_to_mask([tf.range(lay.num_blocks, dtype=tf.int32)
+                                             for lay in comp.layouts]))
     return [dataclasses.replace(result, blocks_kept=sum(comp.counts), sent_ids=ids)
             for result, ids in zip(_dense(comm, grads, state), all_ids)]
 

@@ -141,7 +141,7 @@ def _results(comm: Any, comp: BlockTopK, prepared: Sequence[Prepared],
             tuple(updates[p] for p in order), tuple(residuals[p] for p in order),
             tf.constant(True) if finite is None else finite, sum(p.nbytes for p in parts),
             dense_nbytes(prep.accs), sum(comp.counts), norm,
-            tuple(None if comp.momentum_kept[p] else ids[r][p] for p in order)))
+            comp.ids_to_mask(ids[r])))
     return out
 
 

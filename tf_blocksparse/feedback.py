@@ -118,15 +118,20 @@ class BlockTopK:
         self.dense_below = validate_dense_below(dense_below)
         self.metric = metric
         self.layouts = tuple(layouts)
-        self.whole: tuple[bool, ...] = tuple(
-            lay.size < self.dense_below or (recurrent == "whole" and lay.recurrent)
-            for lay in self.layouts)
         self.momentum_kept: tuple[bool, ...] = tuple(
             recurrent == "whole" and lay.recurrent for lay in self.layouts)
+        self.whole: tuple[bool, ...] = tuple(
+            lay.size < self.dense_below or kept
+            for lay, kept in zip(self.layouts, self.momentum_kept))
         self.counts: tuple[int, ...] = tuple(
             lay.num_blocks if whole
             else selection.num_selected(lay.num_blocks, self.k, self.density)
             for lay, whole in zip(self.layouts, self.whole))
+
+    def ids_to_mask(self, ids: Sequence[tf.Tensor]) -> tuple[tf.Tensor | None, ...]:
+        """Per variable the sent block ids [k_v] that momentum correction masks with:
+        ``None`` where the momentum is kept (:attr:`momentum_kept`)."""
+        return tuple(None if kept else i for i, kept in zip(ids, self.momentum_kept))
 
     @property
     def keeps_all(self) -> bool:
