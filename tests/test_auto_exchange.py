@@ -251,21 +251,27 @@ def test_recurrent_whole_sends_recurrent_layers_whole_and_compresses_the_rest(mi
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model, opt
 
-    model, opt = build(exchange="allgather", recurrent="whole")
-    model.fit(x, (x[:, 0, 0] > 0).astype("int32"), batch_size=8, epochs=1, verbose=0)
-    norms = {v.path: float(np.abs(r.numpy()).sum())
-             for v, r in zip(model.trainable_variables, opt.residuals)}
-    assert [n for p, n in norms.items() if "simple_rnn" in p] == [0.0, 0.0, 0.0]
-    assert [n > 0 for p, n in norms.items() if "/fc/" in p] == [True, True], norms
-    # momentum correction's masking leaves the recurrent layer's momentum alone (sent whole,
-    # momentum SGD on it), while the sent block of the compressed kernel leaves its velocity
-    vel = {v.path: opt.velocities[i].value.values[0].numpy()
-           for i, v in enumerate(model.trainable_variables)}
+    def fit_velocities(**kwargs):
+        model, opt = build(exchange="allgather", recurrent="whole", **kwargs)
+        model.fit(x, (x[:, 0, 0] > 0).astype("int32"), batch_size=8, epochs=1, verbose=0)
+        norms = {v.path: float(np.abs(r.numpy()).sum())
+                 for v, r in zip(model.trainable_variables, opt.residuals)}
+        assert [n for p, n in norms.items() if "simple_rnn" in p] == [0.0, 0.0, 0.0]
+        assert [n > 0 for p, n in norms.items() if "/fc/" in p] == [True, True], norms
+        m = opt.block_sparse_metrics()
+        assert m["payload_bytes"] < m["dense_bytes"]
+        return {v.path: opt.velocities[i].value.values[0].numpy()
+                for i, v in enumerate(model.trainable_variables)}
+
+    # DGC's masking leaves the recurrent layer's momentum alone (sent whole, momentum SGD on
+    # it), while the sent block of the compressed kernel leaves its velocity
+    vel = fit_velocities(momentum_masking="all")
     assert all(np.all(u != 0) for p, u in vel.items() if "simple_rnn" in p), vel
     fc = vel[next(p for p in vel if "/fc/kernel" in p)]
     assert np.any(np.all(fc == 0, axis=0)) and np.any(fc != 0)
-    m = opt.block_sparse_metrics()
-    assert m["payload_bytes"] < m["dense_bytes"]
+    # the default masking with recurrent="whole" ("none") masks nothing
+    vel = fit_velocities()
+    assert all(np.all(u != 0) for u in vel.values()), vel
     for recurrent, dense_for_good in (("compress", True), ("whole", False)):
         model, opt = build(recurrent=recurrent)
         with mirrored2.scope():
@@ -273,11 +279,10 @@ def test_recurrent_whole_sends_recurrent_layers_whole_and_compresses_the_rest(mi
         assert opt._schedule.dense_for_good(model.trainable_variables) is dense_for_good
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "shared"])
-def test_recurrent_layers_sent_whole_train_as_momentum_sgd(mirrored2, exchange):
+def test_recurrent_layers_sent_whole_train_as_momentum_sgd(mirrored2):
     """A model of recurrent layers only, ``recurrent="whole"``: every variable is sent whole
     every step with its momentum never masked, so the weights are momentum SGD's (the dense
-    exchange's), not plain SGD's."""
+    exchange's), not plain SGD's, under both sparse exchanges."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((32, 5, 3)).astype("float32")
     y = rng.standard_normal((32, 6)).astype("float32")
@@ -292,10 +297,11 @@ def test_recurrent_layers_sent_whole_train_as_momentum_sgd(mirrored2, exchange):
         return model.get_weights()
 
     dense = weights(exchange="dense")
-    whole = weights(exchange=exchange, recurrent="whole", dense_below=0)
-    plain = weights(exchange=exchange, dense_below=10**9)  # whole, but masked: plain SGD
-    for a, b in zip(whole, dense):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for exchange in ("allgather", "shared"):
+        whole = weights(exchange=exchange, recurrent="whole", dense_below=0)
+        for a, b in zip(whole, dense):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=exchange)
+    plain = weights(exchange="allgather", dense_below=10**9)  # whole, but masked: plain SGD
     assert any(not np.allclose(a, b, rtol=1e-3) for a, b in zip(plain, dense))
 
 

@@ -26,7 +26,7 @@ COMMAND_LINES = {
     "block_dense_below_512": ("--compression=block", "--exchange=allgather",
                               "--dense_below=512"),
     "block_recurrent_whole": ("--compression=block", "--exchange=allgather",
-                              "--recurrent=whole"),
+                              "--momentum_masking=all", "--recurrent=whole"),
     "block_recurrent_whole_nomask": ("--compression=block", "--exchange=allgather",
                                      "--momentum_masking=none", "--recurrent=whole"),
     "block_default_waited": ("--compression=block", "--exchange=allgather",

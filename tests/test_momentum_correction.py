@@ -144,3 +144,34 @@ def test_momentum_masking_is_named(bad):
     with pytest.raises(ValueError, match="momentum_masking"):
         tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1), momentum_correction=0.9,
                                   momentum_masking=bad, exchange="allgather")
+
+
+def test_default_masking_follows_recurrent_whole():
+    """``momentum_masking`` defaults to ``"none"`` when recurrent layers are sent whole (what
+    converged on the GRU and LSTM translation models) and to DGC's ``"all"`` otherwise; an
+    explicit masking, in either form, is kept, and the resolved one survives a config round
+    trip."""
+    def masking(**kwargs):
+        kwargs.setdefault("inner", keras.optimizers.SGD(0.1, momentum=0.9))
+        return tfbs.BlockSparseOptimizer(kwargs.pop("inner"), exchange="allgather", **kwargs)
+
+    assert masking().momentum_masking == "all"
+    assert masking(recurrent="compress").momentum_masking == "all"
+    assert masking(recurrent="whole").momentum_masking == "none"
+    assert masking(recurrent="whole", momentum_masking="auto").momentum_masking == "none"
+    assert masking(momentum_masking="auto").momentum_masking == "all"
+    for explicit in ("all", "waited", "none"):
+        assert masking(recurrent="whole", momentum_masking=explicit).momentum_masking \
+            == explicit
+    sgd = keras.optimizers.SGD(0.1)
+    assert masking(inner=sgd, recurrent="whole", momentum_correction=tfbs.MomentumCorrection(
+        0.9)).momentum_masking == "none"
+    assert masking(inner=keras.optimizers.SGD(0.1), recurrent="whole",
+                   momentum_correction=tfbs.MomentumCorrection(0.9, masking="all")
+                   ).momentum_masking == "all"
+    assert tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression=(
+        tfbs.CompressionOptions(exchange="allgather", recurrent="whole"))
+    ).momentum_masking == "none"
+    opt = masking(recurrent="whole")
+    assert opt.get_config()["momentum_correction"]["masking"] == "none"
+    assert tfbs.BlockSparseOptimizer.from_config(opt.get_config()).momentum_masking == "none"

@@ -142,7 +142,7 @@ def warn_compressed_recurrent(compressor: Any) -> None:
             f"the sparse exchange compresses recurrent layers' variables {names}: error "
             "feedback's delay of them slows or stops convergence (k=1 on an LSTM translation "
             "model never converged). Use exchange='auto' (the default), which keeps them "
-            "dense, or send them whole every step with recurrent='whole' and "
-            "momentum_masking='none' (which converged at dense's pace on GRU and LSTM "
+            "dense, or send them whole every step with recurrent='whole' (whose "
+            "default momentum_masking, 'none', converged at dense's pace on GRU and LSTM "
             "translation models)",
             RecurrentCompressionWarning, stacklevel=3)

@@ -98,7 +98,8 @@ class BlockSparseOptimizer(OptionsView, WrapperViews, WrapperHooks, BlockSparseB
         exchange has ``m`` moved before the exchange and its own set to 0; otherwise
         ``None``), a float ``m`` in [0, 1) (the inner optimizer must have no momentum), or
         ``None`` (no local momentum; an inner SGD's momentum then applies *global*
-        momentum to the exchanged update).  With ``momentum_masking=`` for the shorthand.
+        momentum to the exchanged update).  With ``momentum_masking=`` for the shorthand
+        (default ``"auto"``: ``"none"`` with ``recurrent="whole"``, else ``"all"``).
       clipping: Optional rule or list of rules of :mod:`tf_blocksparse.clipping`, applied
         to each replica's local gradient of each variable before error feedback and the
         exchange (their state is per replica and saved with the optimizer).

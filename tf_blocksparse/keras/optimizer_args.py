@@ -174,9 +174,10 @@ def split_arguments(inner: keras.optimizers.Optimizer, compression: Any,
         policy = momentum_correction
     else:
         policy = MomentumCorrection.from_arguments(
-            momentum_correction, "all" if masking is _UNSET else masking)
+            momentum_correction, AUTO if masking is _UNSET else masking)
     sparse = options.sparse and not options.keeps_every_block  # density=1.0 sends dense
-    return options, None if policy is None else policy.resolve(inner, sparse)
+    return options, None if policy is None else policy.resolve(
+        inner, sparse, recurrent_whole=options.recurrent == "whole")
 
 
 @dataclasses.dataclass(frozen=True)
