@@ -151,9 +151,9 @@ def test_default_masking_follows_recurrent_whole():
     converged on the GRU and LSTM translation models) and to DGC's ``"all"`` otherwise; an
     explicit masking, in either form, is kept, and the resolved one survives a config round
     trip."""
-    def masking(**kwargs):
-        kwargs.setdefault("inner", keras.optimizers.SGD(0.1, momentum=0.9))
-        return tfbs.BlockSparseOptimizer(kwargs.pop("inner"), exchange="allgather", **kwargs)
+    def masking(inner=None, **kwargs):
+        return tfbs.BlockSparseOptimizer(inner or keras.optimizers.SGD(0.1, momentum=0.9),
+                                         exchange="allgather", **kwargs)
 
     assert masking().momentum_masking == "all"
     assert masking(recurrent="compress").momentum_masking == "all"
@@ -163,9 +163,8 @@ def test_default_masking_follows_recurrent_whole():
     for explicit in ("all", "waited", "none"):
         assert masking(recurrent="whole", momentum_masking=explicit).momentum_masking \
             == explicit
-    sgd = keras.optimizers.SGD(0.1)
-    assert masking(inner=sgd, recurrent="whole", momentum_correction=tfbs.MomentumCorrection(
-        0.9)).momentum_masking == "none"
+    assert masking(inner=keras.optimizers.SGD(0.1), recurrent="whole",
+                   momentum_correction=tfbs.MomentumCorrection(0.9)).momentum_masking == "none"
     assert masking(inner=keras.optimizers.SGD(0.1), recurrent="whole",
                    momentum_correction=tfbs.MomentumCorrection(0.9, masking="all")
                    ).momentum_masking == "all"

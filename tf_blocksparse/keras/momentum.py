@@ -50,6 +50,10 @@ from tf_blocksparse.options import AUTO, MASKINGS
 
 __all__ = ["MomentumCorrection", "mask_sent"]
 
+#: What ``masking`` / ``momentum_masking`` accept: a masking, or ``"auto"`` (see
+#: :meth:`MomentumCorrection.resolve`).
+_MASKING_CHOICES = (AUTO, *MASKINGS)
+
 
 def _check_momentum(value: Any, argument: str) -> float | str:
     if isinstance(value, str) and value == AUTO:
@@ -80,14 +84,14 @@ class MomentumCorrection:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "momentum", _check_momentum(self.momentum, "momentum"))
-        check_choice(self.masking, (AUTO, *MASKINGS), "masking")
+        check_choice(self.masking, _MASKING_CHOICES, "masking")
 
     @classmethod
     def from_arguments(cls, momentum_correction: Any, momentum_masking: Any = AUTO
                        ) -> MomentumCorrection | None:
         """The policy of the optimizer's ``momentum_correction`` / ``momentum_masking``
         keywords (``None``: no local momentum); errors name those keywords."""
-        check_choice(momentum_masking, (AUTO, *MASKINGS), "momentum_masking")
+        check_choice(momentum_masking, _MASKING_CHOICES, "momentum_masking")
         if momentum_correction is None:
             return None
         return cls(_check_momentum(momentum_correction, "momentum_correction"),
