@@ -82,7 +82,7 @@ def test_wheel_requires_only_what_the_library_imports(wheel):
         if "extra ==" in r:
             extra = re.search(r"extra == ['\"]([\w-]+)['\"]", r).group(1)
             extras.setdefault(extra, set()).add(_name(r))
-    assert set(extras) == {"launch", "bench", "dev"}, extras
+    assert set(extras) == {"launch", "bench", "dev", "notebooks"}, extras
     assert set(SCRIPT_ONLY) <= extras["launch"], extras["launch"]
 
 
