@@ -58,15 +58,19 @@ def test_bytes_per_block(mode, bits):
        st.sampled_from(["int8", "int4"]))
 @example(np.array([[0.0, 1.1754944e-38]], np.float32), "int8")  # scale would be subnormal
 @example(np.array([[3e-39, -1e-45, 0.0]], np.float32), "int4")
+@example(np.array([[9.469735e-39]], np.float32), "int8")  # a subnormal input, flushed to 0
 def test_integer_codes_err_by_at_most_half_a_step(v, mode):
     levels = {"int8": 127, "int4": 7}[mode]
     words, sent = quantize.encode(tf.constant(v), mode)
     tiny = np.finfo(np.float32).tiny  # the least scale: CPU kernels flush subnormals
     scale = np.maximum(np.max(np.abs(v), axis=1, keepdims=True) / levels, tiny)
-    assert np.all(np.isfinite(sent.numpy()))
-    assert np.all(np.abs(sent.numpy() - v) <= scale / 2 * (1 + 1e-5))
+    sent = sent.numpy()
+    assert np.all(np.isfinite(sent))
+    # Within half a step, except a subnormal input that the CPU's arithmetic reads as zero.
+    flushed = (np.abs(v) < tiny) & (sent == 0)
+    assert np.all((np.abs(sent - v) <= scale / 2 * (1 + 1e-5)) | flushed)
     np.testing.assert_array_equal(
-        quantize.decode(words[None], v.shape[0], v.shape[1], mode).numpy(), sent.numpy())
+        quantize.decode(words[None], v.shape[0], v.shape[1], mode).numpy(), sent)
 
 
 def _step(strategy, quantize_mode, sync_every=None, exchange="allgather"):
