@@ -50,6 +50,9 @@ def _linear_dense_reference(initial, epochs):
     return initial - epochs * step[:, None]
 
 
+# Heavy (~18 s): `make test-slow` (CI runs it); the fast suite keeps the same conservation
+# with momentum (test_switch_to_dense_applies_residuals_once_and_moves_the_momentum).
+@pytest.mark.slow
 def test_switching_to_dense_flushes_residuals_nothing_lost(mirrored2):
     model, opt, initial = _linear_fit(mirrored2, "auto", 2, modes=["allgather"])
     residual = opt.residuals[0].numpy()  # summed over replicas
@@ -279,6 +282,9 @@ def test_recurrent_whole_sends_recurrent_layers_whole_and_compresses_the_rest(mi
         assert opt._schedule.dense_for_good(model.trainable_variables) is dense_for_good
 
 
+# Heavy (four fits of a recurrent model, ~20 s): `make test-slow` (CI runs it); the fast suite
+# keeps recurrent="whole" with both maskings (the next test but one).
+@pytest.mark.slow
 def test_recurrent_layers_sent_whole_train_as_momentum_sgd(mirrored2):
     """A model of recurrent layers only, ``recurrent="whole"``: every variable is sent whole
     every step with its momentum never masked, so the weights are momentum SGD's (the dense

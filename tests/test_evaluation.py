@@ -111,7 +111,8 @@ def test_callback_writes_exact_figures_into_history(mirrored2):
     assert hist.history["val_loss"][-1] == pytest.approx(r.loss, rel=1e-12)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
+# Three workers (~16 s) in `make test-slow` (CI runs it); two here.
+@pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_multi_process_equals_single_process_evaluate(tmp_path, workers, request):
     """Exact evaluation across 2 (the shared launch ``mwms_runs``) and 3 worker processes
     equals single-process evaluation of the same weights."""

@@ -129,6 +129,8 @@ TINY = ["--strategy=mirrored", "--num_devices=2", "--dataset=digits", "--model=c
         "--batch_size=32", "--compression=block"]
 
 
+# Two training runs in subprocesses (~17 s): `make test-slow` (CI runs it).
+@pytest.mark.slow
 def test_training_output_is_quiet_unless_asked() -> None:
     """By default: one progress line per epoch and the summary, no INFO log lines and no
     block-sparse fields on the progress line; ``--verbosity=0 --block_metrics`` brings both

@@ -127,6 +127,8 @@ def test_masked_loss_and_accuracy_ignore_pad() -> None:
     assert float(nmt.masked_sparse_ce(y, logits)) < 1e-3
 
 
+# Trains to a low loss (~16 s): `make test-slow` (CI runs it).
+@pytest.mark.slow
 @needs_keras_315_attention
 def test_gru_nmt_learns_with_block_sparse_exchange() -> None:
     vocab = 12

@@ -211,6 +211,8 @@ def _check_saved_model(path, metrics):
     assert got["loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
 
 
+# A 2-worker cluster (~18 s): `make test-slow` (CI runs it).
+@pytest.mark.slow
 def test_cluster_stops_together_at_the_target_accuracy(tmp_path):
     """--stop_at_accuracy: every worker sees the same reduced val_accuracy and stops after
     the same epoch (a worker that went on alone would hang the cluster); momentum correction
