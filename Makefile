@@ -24,8 +24,9 @@ venv: $(STAMP)
 # The library (editable) with what the scripts, benchmarks and tests need (see pyproject.toml).
 # Re-install only when pyproject.toml changes (or the venv is new).  TensorFlow, Keras and
 # NumPy go in first; then the fused kernels compile against them (one core, ~30 s) while pip
-# installs the extras on the other (measured on a fresh venv, 2 cores: 94 s instead of 125 s
-# one after the other).  A build that fails here is retried, and reported, by `kernels`.
+# installs the extras on the other (`make venv kernels data` on fresh clones, 2 cores, timed
+# in turns: 87-89 s against 119-137 s one after the other).  A build that fails here is
+# retried, and reported, by `kernels`.
 EXTRAS ?= launch,bench,dev
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
