@@ -283,7 +283,8 @@ def test_recurrent_whole_sends_recurrent_layers_whole_and_compresses_the_rest(mi
 
 
 # Heavy (four fits of a recurrent model, ~20 s): `make test-slow` (CI runs it); the fast suite
-# keeps recurrent="whole" with both maskings (the next test but one).
+# keeps recurrent="whole" with both maskings
+# (test_recurrent_whole_sends_recurrent_layers_whole_and_compresses_the_rest, above).
 @pytest.mark.slow
 def test_recurrent_layers_sent_whole_train_as_momentum_sgd(mirrored2):
     """A model of recurrent layers only, ``recurrent="whole"``: every variable is sent whole

@@ -120,9 +120,6 @@ def test_pipeline_across_processes_matches_full_batch_training(tmp_path):
         f"/job:worker/replica:0/task:{i}" for i in range(3)}
 
 
-# Three TensorFlow servers and two clients (~22 s): `make test-slow` (CI runs it); the fast
-# suite keeps the pipeline client across processes.
-@pytest.mark.slow
 def test_hybrid_across_processes_then_a_dying_worker_stops_the_client(tmp_path):
     """Conv replicas on workers 0 and 1, the FC replica and its state on worker 2: the
     hybrid step equals full-batch training.  Then, on the same cluster (one start of three
