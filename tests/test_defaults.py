@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tf_blocksparse as tfbs
+from tests.batches import fit_in_order
 from tests.versions import reads_keras_315_files
 from tf_blocksparse.keras.optimizer_args import DENSE_BELOW
 
@@ -142,7 +143,7 @@ def _train_conv(strategy, make_opt):
         opt.build(model.trainable_variables)
     if opt.exchange_chooser is not None:
         opt.exchange_chooser.set_modes(["allgather"] * len(opt.exchange_chooser.modes))
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    fit_in_order(model, x, y, 16, 2)
     return model.get_weights()
 
 

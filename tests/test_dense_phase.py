@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
+from tests.batches import fit_in_order
 
 STEPS_PER_EPOCH = 4  # 64 examples, batches of 16
 
@@ -48,9 +49,8 @@ class _Record(keras.callbacks.Callback):
 def _fit(strategy, make_opt, epochs=2, callbacks=()):
     model, opt = _compiled(strategy, make_opt)
     record = _Record()
-    model.fit(*_xy(), batch_size=16, epochs=epochs, shuffle=False, verbose=0,
-              callbacks=tfbs.fit_callbacks(
-                  model, [tfbs.BlockSparseMetrics(update_freq=1), record, *callbacks]))
+    fit_in_order(model, *_xy(), 16, epochs, callbacks=tfbs.fit_callbacks(
+        model, [tfbs.BlockSparseMetrics(update_freq=1), record, *callbacks]))
     return model, opt, record
 
 
@@ -218,11 +218,10 @@ def test_a_dense_phase_without_its_callback_warns_once(mirrored2):
         keras.optimizers.SGD(0.1), exchange="allgather", dense_steps=2)
     model, _ = _compiled(mirrored2, make)
     with pytest.warns(tfbs.MissingFitCallbackWarning, match="DensePhaseCallback.*fit_callbacks"):
-        model.fit(*_xy(), batch_size=16, epochs=1, verbose=0)
+        fit_in_order(model, *_xy(), 16, 1)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        model.fit(*_xy(), batch_size=16, epochs=1, verbose=0)  # once per optimizer
+        fit_in_order(model, *_xy(), 16, 1)  # once per optimizer
         model, _ = _compiled(mirrored2, make)
-        model.fit(*_xy(), batch_size=16, epochs=1, verbose=0,
-                  callbacks=tfbs.fit_callbacks(model))
+        fit_in_order(model, *_xy(), 16, 1, callbacks=tfbs.fit_callbacks(model))
     assert not [w for w in said if issubclass(w.category, tfbs.MissingFitCallbackWarning)]

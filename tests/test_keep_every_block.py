@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
+from tests.batches import fit_in_order
 from tf_blocksparse import blocks
 from tf_blocksparse.exchange_bytes import dense_nbytes, group_cost, selection_nbytes
 from tf_blocksparse.feedback import BlockTopK
@@ -55,7 +56,7 @@ def _fit(strategy, **opt_kwargs):
                                         **opt_kwargs)
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    fit_in_order(model, x, y, 16, 2)
     return model.get_weights(), opt.block_sparse_metrics()
 
 

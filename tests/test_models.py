@@ -64,9 +64,11 @@ def test_image_models_build_for_digits(name: str) -> None:
 
 
 def test_resnet20_parameter_count() -> None:
-    params = resnet20((32, 32, 3), 10).count_params()
+    model = resnet20()  # CIFAR-10's 32x32x3 images and 10 classes by default
+    assert model.input_shape == (None, 32, 32, 3) and model.output_shape == (None, 10)
+    params = model.count_params()
     assert abs(params - 0.27e6) / 0.27e6 < 0.05, params
-    convs = [layer for layer in resnet20().layers if isinstance(layer, keras.layers.Conv2D)]
+    convs = [layer for layer in model.layers if isinstance(layer, keras.layers.Conv2D)]
     assert len([c for c in convs if c.kernel_size == (3, 3)]) == 19  # + the Dense = 20
 
 

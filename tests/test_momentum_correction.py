@@ -15,8 +15,10 @@ from tests.test_optimizer_reference import (
     STEPS,
     _data,
     _model,
+    _read_only,
     _replica_grads,
     _run_distributed,
+    _start,
 )
 
 
@@ -34,11 +36,17 @@ def _dense_values(strategy, inner_momentum=0.0):
 
 def _reference(n, mode, k=None, density=None, granularity="block", masking="all",
                dense_below=0):
-    model = _model()
-    layouts = tfbs.blocks.layouts_for(model.trainable_variables, model)
+    """Weights and ``[replica][variable]`` residuals and velocities after STEPS steps of the
+    NumPy reference (computed once per module and argument set; the arrays are read-only)."""
+    return _reference_once(n, mode, k, density, granularity, masking, dense_below)
+
+
+@functools.cache
+def _reference_once(n, mode, k, density, granularity, masking, dense_below):
+    layouts, start = _start()
     if granularity == "element":
         layouts = [dataclasses.replace(lay, rule=tfbs.blocks.ELEMENT) for lay in layouts]
-    weights = [w.numpy() for w in model.trainable_variables]
+    weights = list(start)
     residuals = [[np.zeros_like(w) for w in weights] for _ in range(n)]
     velocities = [[np.zeros_like(w) for w in weights] for _ in range(n)]
     for s in range(STEPS):
@@ -48,7 +56,8 @@ def _reference(n, mode, k=None, density=None, granularity="block", masking="all"
             masking=masking, dense_below=dense_below)
         assert finite
         weights = [w - u * np.float32(LR) for w, u in zip(weights, updates)]
-    return weights, residuals, velocities
+    return (_read_only(weights), [_read_only(rs) for rs in residuals],
+            [_read_only(us) for us in velocities])
 
 
 @pytest.mark.parametrize("mode,kwargs", [

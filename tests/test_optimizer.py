@@ -1,5 +1,6 @@
 """BlockSparseOptimizer behaviour in model.fit and custom loops (2 real replicas)."""
 
+import functools
 import os
 import traceback
 
@@ -9,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
+from tests.batches import in_order
 
 
 def _cnn() -> keras.Model:
@@ -25,22 +27,28 @@ def _xy(n=64):
     return x, rng.integers(0, 4, n).astype("int32")
 
 
-def _fit(strategy, make_opt, epochs=2, model_fn=_cnn, data=None):
-    x, y = data if data is not None else _xy()
+def _fit(strategy, make_opt, epochs=1, model_fn=_cnn, data=None):
+    batches, steps = in_order(*(data if data is not None else _xy()))
     with strategy.scope():
         model = model_fn()
         opt = make_opt()
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
-    hist = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    hist = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=epochs, verbose=0)
     return model, opt, hist
 
 
+@functools.cache
+def plain_sgd_weights(strategy) -> list:
+    """The weights after one epoch of :func:`_fit` with Keras' plain ``SGD(0.1,
+    momentum=0.9)`` (4 steps; trained once per process, read only)."""
+    return _fit(strategy, lambda: keras.optimizers.SGD(0.1, momentum=0.9))[0].get_weights()
+
+
 def test_dense_exchange_is_bit_identical_to_plain_sgd(mirrored2):
-    plain, _, _ = _fit(mirrored2, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
     ours, opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), exchange="dense"))
-    for a, b in zip(plain.get_weights(), ours.get_weights()):
+    for a, b in zip(plain_sgd_weights(mirrored2), ours.get_weights()):
         assert np.array_equal(a, b)
     assert opt.block_sparse_metrics()["payload_bytes"] == opt.block_sparse_metrics()[
         "dense_bytes"]
@@ -49,7 +57,8 @@ def test_dense_exchange_is_bit_identical_to_plain_sgd(mirrored2):
 @pytest.mark.parametrize("mode", ["allgather", "shared"])
 def test_replica_weights_identical_residuals_differ(mirrored2, mode):
     model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), k=1, exchange=mode, dense_below=0))
+        keras.optimizers.SGD(0.05, momentum=0.9), k=1, exchange=mode, dense_below=0),
+        epochs=2)
     for v in model.trainable_variables:
         a, b = (t.numpy() for t in v.value.values)
         assert np.array_equal(a, b), v.path
@@ -77,7 +86,7 @@ def test_block_sparse_training_reduces_loss(mirrored2):
 def test_keras_save_load_round_trip(mirrored2, tmp_path):
     model, opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.05, momentum=0.9), density=0.5, metric="l2", exchange="shared",
-        momentum_correction=None, dense_below=0), epochs=1)
+        momentum_correction=None, dense_below=0))
     path = os.path.join(tmp_path, "m.keras")
     model.save(path)
     with mirrored2.scope():
@@ -146,8 +155,7 @@ def test_embedding_indexed_slices(mirrored2):
     before = model_fn().get_weights()[0]
     model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.1), k=2, dense_below=0,
-        exchange="allgather"), model_fn=model_fn, data=data,
-        epochs=1)
+        exchange="allgather"), model_fn=model_fn, data=data)
     emb_layout = opt.layouts[0]
     assert emb_layout.rule.name == "row" and emb_layout.num_blocks == 50
     changed = np.flatnonzero(np.any(model.get_weights()[0] != before, axis=1))
@@ -258,7 +266,7 @@ def test_no_strategy_custom_loop_and_loss_scale_outside():
 
 @pytest.mark.parametrize("update_freq", ["epoch", 1])
 def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path, update_freq):
-    x, y = _xy()
+    batches, steps = in_order(*_xy())
     with mirrored2.scope():
         model = _cnn()
         model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1,
@@ -271,7 +279,8 @@ def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path, update_freq)
         def on_train_batch_end(self, batch, logs=None):
             seen.append("payload_bytes" in (logs or {}))
 
-    hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb, BatchLogs()])
+    hist = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=2, verbose=0,
+                     callbacks=[cb, BatchLogs()])
     assert all(seen) if update_freq == 1 else not any(seen)  # batch logs: read per batch
     for name in ("payload_bytes", "dense_bytes", "compression", "blocks_kept",
                  "residual_norm", "skipped_steps"):
@@ -305,7 +314,7 @@ def test_optimizer_finds_layer_classes_of_renamed_layers():
 def test_element_granularity_is_elementwise_topk(mirrored2):
     model, opt, hist = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.05, momentum=0.9), density=0.05, granularity="element",
-        dense_below=0, exchange="allgather"), epochs=1)
+        dense_below=0, exchange="allgather"))
     m = opt.block_sparse_metrics()
     # ceil(5% of each variable's elements): 54 -> 3, 6 -> 1, 864 -> 44, 4 -> 1; int32 id each.
     kept = 3 + 1 + 44 + 1

@@ -32,9 +32,16 @@ def _loss(model, x, y, num_replicas):
     return tf.reduce_mean(tf.square(model(x) - y)) / num_replicas
 
 
+@functools.cache
+def _grad_model() -> keras.Model:
+    """The one-device model the references compute gradients with; every use sets all its
+    weights first, and nothing trains it."""
+    return _model()
+
+
 def _replica_grads(weights, x, y, num_replicas):
     """Per-replica gradients computed on one device at the given weights."""
-    m = _model()
+    m = _grad_model()
     m.set_weights(weights)
     with tf.GradientTape() as tape:
         loss = _loss(m, x, y, num_replicas)
@@ -69,9 +76,23 @@ def _run_distributed(strategy, inner_momentum=MOMENTUM, **opt_kwargs):
 
 
 def _run_reference(n, mode, k=None, density=None, metric="l1", dense_below=0):
+    """Weights and ``[replica][variable]`` residuals after STEPS steps of the NumPy
+    reference (computed once per module and argument set; the arrays are read-only)."""
+    return _reference_once(n, mode, k, density, metric, dense_below)
+
+
+@functools.cache
+def _start() -> tuple[tuple, tuple[np.ndarray, ...]]:
+    """The layouts and initial weights (read-only) of :func:`_model`, for the references."""
     model = _model()
-    layouts = tfbs.blocks.layouts_for(model.trainable_variables, model)
-    weights = [w.numpy() for w in model.trainable_variables]
+    return (tuple(tfbs.blocks.layouts_for(model.trainable_variables, model)),
+            _read_only(w.numpy() for w in model.trainable_variables))
+
+
+@functools.cache
+def _reference_once(n, mode, k, density, metric, dense_below):
+    layouts, start = _start()
+    weights = list(start)
     moms = [np.zeros_like(w) for w in weights]
     residuals = [[np.zeros_like(w) for w in weights] for _ in range(n)]
     for s in range(STEPS):
@@ -81,7 +102,15 @@ def _run_reference(n, mode, k=None, density=None, metric="l1", dense_below=0):
         assert finite
         for i, g in enumerate(updates):
             weights[i], moms[i] = ref.np_sgd_momentum(weights[i], moms[i], g, LR, MOMENTUM)
-    return weights, residuals
+    return _read_only(weights), [_read_only(rs) for rs in residuals]
+
+
+def _read_only(arrays):
+    """``arrays`` as a tuple of read-only copies, safe to share between tests."""
+    out = tuple(np.array(a) for a in arrays)
+    for a in out:
+        a.flags.writeable = False
+    return out
 
 
 @pytest.mark.parametrize("mode", ["allgather", "shared", "dense"])

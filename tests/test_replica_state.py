@@ -40,6 +40,15 @@ def _per_replica(opt):
             for v in replica_state.state_variables(opt)]
 
 
+@pytest.fixture(scope="module")
+def trained(mirrored2) -> keras.Model:
+    """A model fitted for 3 steps, shared by the tests that only read its optimizer's state
+    (they never train it or write into it)."""
+    model = _model(mirrored2)
+    model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)
+    return model
+
+
 def test_each_replica_gets_its_own_state_back(mirrored2, tmp_path):
     model = _model(mirrored2)
     model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)
@@ -101,9 +110,8 @@ def test_the_state_file_is_written_by_the_given_writer(mirrored2, tmp_path):
         BackupAndRestore(str(backup), write_state="fast")
 
 
-def test_another_replica_count_gets_the_sum_over_n_with_a_warning(mirrored2, tmp_path):
-    model = _model(mirrored2)
-    model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)
+def test_another_replica_count_gets_the_sum_over_n_with_a_warning(trained, tmp_path):
+    model = trained
     saved = _per_replica(model.optimizer)
     replica_state.save(model.optimizer, str(tmp_path), 0, 1)
     one = tf.distribute.MirroredStrategy(["/cpu:0"])
@@ -132,7 +140,7 @@ def test_an_incomplete_set_is_refused(mirrored2, tmp_path):
         replica_state.restore(model.optimizer, str(tmp_path), 0, 2)
 
 
-def _interrupted(strategy, backup, after=6):
+def _interrupted(strategy, backup, after):
     model = _model(strategy)
     with pytest.raises(RuntimeError, match="killed"):
         model.fit(_data(), epochs=3, steps_per_epoch=4, verbose=0,
@@ -140,23 +148,22 @@ def _interrupted(strategy, backup, after=6):
 
 
 def test_resume_is_exact_and_a_torn_backup_falls_back(mirrored2, tmp_path):
-    """Killed mid-epoch 2 and resumed: the weights of the uninterrupted run, bit for bit.
-    With the last backup's state files missing (a crash while they were written), the run
-    goes back to the backup before it."""
+    """Killed mid-epoch 3 and resumed: the weights of the uninterrupted run, bit for bit.
+    With the last backup's state files missing (a crash while they were written; here a copy
+    of the same backup), the run goes back to the backup before it."""
     whole = _model(mirrored2)
     whole.fit(_data(), epochs=3, steps_per_epoch=4, verbose=0)
-    backup = str(tmp_path / "b")
-    _interrupted(mirrored2, backup)
-    assert json.loads(open(os.path.join(backup, "training_metadata.json")).read())["epoch"] == 1
+    backup, torn = str(tmp_path / "b"), str(tmp_path / "torn")
+    _interrupted(mirrored2, backup, after=10)  # backups after epochs 1 and 2
+    assert json.loads(open(os.path.join(backup, "training_metadata.json")).read())["epoch"] == 2
+    shutil.copytree(backup, torn)
     resumed = _model(mirrored2)
-    resumed.fit(_data(4), epochs=3, steps_per_epoch=4, verbose=0,
+    resumed.fit(_data(8), epochs=3, steps_per_epoch=4, verbose=0,
                 callbacks=[BackupAndRestore(backup)])
     for a, b in zip(whole.weights, resumed.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert not os.path.exists(backup)
 
-    torn = str(tmp_path / "torn")
-    _interrupted(mirrored2, torn, after=10)  # backups after epochs 1 and 2
     state = os.path.join(torn, "replica_state", "worker_0.npz")
     os.remove(state)  # the last state file never landed: only the one before (.bkp) is there
     os.rename(state + ".bkp", state)
@@ -168,9 +175,8 @@ def test_resume_is_exact_and_a_torn_backup_falls_back(mirrored2, tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-def test_model_keras_still_holds_the_sums(mirrored2, tmp_path):
-    model = _model(mirrored2)
-    model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)
+def test_model_keras_still_holds_the_sums(mirrored2, trained, tmp_path):
+    model = trained
     sums = [a + b for a, b in _per_replica(model.optimizer)]
     path = str(tmp_path / "m.keras")
     tfbs.save_model(model, path)
@@ -182,9 +188,8 @@ def test_model_keras_still_holds_the_sums(mirrored2, tmp_path):
 
 
 def test_cluster_value_is_exact_on_one_worker_and_scaled_from_its_replicas_on_several(
-        mirrored2):
-    model = _model(mirrored2)
-    model.fit(_data(), epochs=1, steps_per_epoch=3, verbose=0)
+        trained):
+    model = trained
     variable = model.optimizer.residuals[0]
     a, b = _per_replica(model.optimizer)[0]
     np.testing.assert_allclose(replica_state.cluster_value(variable, 2), a + b, rtol=1e-6)

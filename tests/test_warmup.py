@@ -1,7 +1,5 @@
 """DensityWarmup: per-epoch densities in model.fit on 2 real replicas."""
 
-import functools
-
 import keras
 import numpy as np
 import pytest
@@ -9,26 +7,21 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tests import reference as ref
-from tests.test_optimizer import _cnn, _xy
+from tests.batches import in_order
+from tests.test_optimizer import _cnn, _xy, plain_sgd_weights
 from tests.test_optimizer_reference import LR, MOMENTUM, STEPS, _data, _loss, _model, _replica_grads
 
 
 def _fit(strategy, make_opt, callbacks, epochs):
-    x, y = _xy()
+    batches, steps = in_order(*_xy())
     with strategy.scope():
         model = _cnn()
         opt = make_opt()
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
-    hist = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+    hist = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=epochs, verbose=0,
                      callbacks=callbacks)
     return model, opt, hist
-
-
-@functools.cache
-def _plain_weights(strategy):
-    """Plain ``SGD(0.1, momentum=0.9)``'s weights after one epoch (trained once per module)."""
-    return _fit(strategy, lambda: keras.optimizers.SGD(0.1, momentum=0.9), [], 1)[0].get_weights()
 
 
 @pytest.mark.parametrize("mode", ["allgather", "shared"])
@@ -37,7 +30,8 @@ def test_density_one_epoch_trains_like_plain_sgd(mirrored2, mode):
     ours, opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode, dense_below=0,
         momentum_correction=None), [tfbs.DensityWarmup([1.0])], 1)
-    for a, b in zip(_plain_weights(mirrored2), ours.get_weights()):
+    # plain SGD(0.1, momentum=0.9) for one epoch of the same batches (trained once)
+    for a, b in zip(plain_sgd_weights(mirrored2), ours.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     for r in opt.residuals:  # nothing was held back
         assert not np.any(r.value.values[0].numpy())
@@ -58,8 +52,9 @@ def test_densities_switch_per_epoch_and_residuals_carry_over(mirrored2):
     assert (opt.k, opt.density) == (1, None)
     assert any(np.any(r.value.values[0].numpy()) for r in opt.residuals)
     assert np.isfinite(hist.history["loss"]).all()
-    # a second fit with the same callback starts again from the warm-up
-    hist2 = model.fit(*_xy(), batch_size=16, epochs=2, shuffle=False, verbose=0,
+    # a second fit with the same callback starts again from the warm-up (epoch 0 at 1.0)
+    batches, steps = in_order(*_xy())
+    hist2 = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=1, verbose=0,
                       callbacks=[tfbs.BlockSparseMetrics(), warm])
     assert hist2.history["payload_bytes"][0] == sent[0]
 
