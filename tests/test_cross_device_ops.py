@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
-from tests.batches import in_order
+from tests.batches import fit_in_order
 
 _STRATEGIES: dict = {}
 
@@ -42,8 +42,7 @@ def _fit(strategy, opt_fn, ops=None):
             ops.bind_model(model)
         model.compile(optimizer=opt_fn(), metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    batches, steps = in_order(*_data())
-    hist = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=2, verbose=0)
+    hist = fit_in_order(model, *_data(), 16, 2)
     return model, hist
 
 

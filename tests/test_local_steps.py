@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
-from tests.batches import in_order
+from tests.batches import fit_in_order, in_order
 from tests.interrupt import Die
 
 SHAPES = [(6, 8), (8,), (8, 3), (3,)]
@@ -215,8 +215,7 @@ def test_without_its_callback_fit_warns_and_still_ends_synchronised(mirrored2):
                                         density=0.25)
         model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.warns(tfbs.MissingFitCallbackWarning, match="LocalStepsCallback"):
-        model.fit(in_order(x, y)[0], steps_per_epoch=5, shuffle=False,
-                  verbose=0)  # a partial window
+        fit_in_order(model, x, y, 16)  # 5 steps: a partial window
     assert int(opt._state.window.numpy()) == 0
     for copies in _copies(mirrored2, model.trainable_variables):
         np.testing.assert_array_equal(copies[0], copies[1])
@@ -375,8 +374,7 @@ def test_fit_with_the_automatic_exchange_re_decides_and_ends_synchronised(mirror
     callbacks = tfbs.fit_callbacks(model)
     assert {type(c) for c in callbacks} == {tfbs.AutoExchangeCallback,
                                             tfbs.LocalStepsCallback}
-    model.fit(in_order(x, y)[0], steps_per_epoch=6, epochs=2, shuffle=False, verbose=0,
-              callbacks=callbacks)
+    fit_in_order(model, x, y, 16, 2, callbacks=callbacks)
     auto = next(c for c in callbacks if isinstance(c, tfbs.AutoExchangeCallback))
     assert [s for s, _ in auto.decisions] == [6]
     assert auto.decisions[0][1].compute_s > 0  # a window's measured compute

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
-from tests.batches import in_order
+from tests.batches import fit_in_order
 
 STEPS_PER_EPOCH = 4  # 64 examples, batches of 16
 
@@ -58,16 +58,16 @@ class _StopAt(keras.callbacks.Callback):
 def test_resumed_fit_logs_from_the_restored_iteration(mirrored2, tmp_path):
     """Two epochs, an interruption, then a fresh process state resuming from the backup:
     its epoch 2 is logged at step 12 (three epochs of 4 steps), not 4."""
-    batches, steps = in_order(*_xy())
+    x, y = _xy()
     backup = str(tmp_path / "backup")
     model, _ = _model_and_optimizer(mirrored2)
     with pytest.raises(RuntimeError, match="interrupted"):
-        model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=4, verbose=0, callbacks=[
+        fit_in_order(model, x, y, 16, 4, callbacks=[
             keras.callbacks.BackupAndRestore(backup),
             tfbs.BlockSparseMetrics(log_dir=str(tmp_path / "first")), _StopAt(2)])
     assert [s for s, _ in _scalars(tmp_path / "first", "payload_bytes")] == [4, 8]
     model, opt = _model_and_optimizer(mirrored2)
-    hist = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=4, verbose=0, callbacks=[
+    hist = fit_in_order(model, x, y, 16, 4, callbacks=[
         keras.callbacks.BackupAndRestore(backup),
         tfbs.BlockSparseMetrics(log_dir=str(tmp_path / "resumed"))])
     assert len(hist.history["loss"]) == 2  # epochs 2 and 3
@@ -80,7 +80,6 @@ def test_epoch_figures_are_the_means_of_its_steps(mirrored2, tmp_path):
     """With ``update_freq=1`` the batch logs hold each step's figures; the epoch's are their
     means (the residual norm changes every step), ``skipped_steps`` a total, and TensorBoard
     gets each batch at its iteration."""
-    batches, per_epoch = in_order(*_xy())
     model, opt = _model_and_optimizer(mirrored2)
     steps = []
 
@@ -88,9 +87,8 @@ def test_epoch_figures_are_the_means_of_its_steps(mirrored2, tmp_path):
         def on_train_batch_end(self, batch, logs=None):
             steps.append(dict(logs))
 
-    hist = model.fit(batches, steps_per_epoch=per_epoch, shuffle=False, epochs=2, verbose=0,
-                     callbacks=[tfbs.BlockSparseMetrics(log_dir=str(tmp_path), update_freq=1),
-                                Batches()])
+    hist = fit_in_order(model, *_xy(), 16, 2, callbacks=[
+        tfbs.BlockSparseMetrics(log_dir=str(tmp_path), update_freq=1), Batches()])
     for epoch in range(2):
         batch = steps[epoch * STEPS_PER_EPOCH:(epoch + 1) * STEPS_PER_EPOCH]
         norms = [b["residual_norm"] for b in batch]

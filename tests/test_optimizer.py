@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_blocksparse as tfbs
-from tests.batches import in_order
+from tests.batches import fit_in_order
 
 
 def _cnn() -> keras.Model:
@@ -28,13 +28,12 @@ def _xy(n=64):
 
 
 def _fit(strategy, make_opt, epochs=1, model_fn=_cnn, data=None):
-    batches, steps = in_order(*(data if data is not None else _xy()))
     with strategy.scope():
         model = model_fn()
         opt = make_opt()
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
-    hist = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=epochs, verbose=0)
+    hist = fit_in_order(model, *(data if data is not None else _xy()), 16, epochs)
     return model, opt, hist
 
 
@@ -266,7 +265,6 @@ def test_no_strategy_custom_loop_and_loss_scale_outside():
 
 @pytest.mark.parametrize("update_freq", ["epoch", 1])
 def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path, update_freq):
-    batches, steps = in_order(*_xy())
     with mirrored2.scope():
         model = _cnn()
         model.compile(optimizer=tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05), k=1,
@@ -279,8 +277,7 @@ def test_metrics_callback_logs_and_tensorboard(mirrored2, tmp_path, update_freq)
         def on_train_batch_end(self, batch, logs=None):
             seen.append("payload_bytes" in (logs or {}))
 
-    hist = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=2, verbose=0,
-                     callbacks=[cb, BatchLogs()])
+    hist = fit_in_order(model, *_xy(), 16, 2, callbacks=[cb, BatchLogs()])
     assert all(seen) if update_freq == 1 else not any(seen)  # batch logs: read per batch
     for name in ("payload_bytes", "dense_bytes", "compression", "blocks_kept",
                  "residual_norm", "skipped_steps"):

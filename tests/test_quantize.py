@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import tf_blocksparse as tfbs
+from tests.test_optimizer_reference import _read_only
 from tf_blocksparse import quantize
 
 
@@ -121,15 +122,9 @@ def _outcome(strategy, quantize_mode, sync_every=None, exchange="allgather") -> 
 @functools.cache
 def _outcome_once(strategy, quantize_mode, sync_every, exchange) -> _Outcome:
     w0, w1, opt, grads = _step(strategy, quantize_mode, sync_every, exchange)
-
-    def read_only(arrays):
-        out = tuple(np.array(a) for a in arrays)
-        for a in out:
-            a.flags.writeable = False
-        return out
-
-    return _Outcome(read_only(w0), read_only(w1), read_only(r.numpy() for r in opt.residuals),
-                    tuple(read_only(g) for g in grads),
+    return _Outcome(_read_only(w0), _read_only(w1),
+                    _read_only(r.numpy() for r in opt.residuals),
+                    tuple(_read_only(g) for g in grads),
                     opt.block_sparse_metrics()["payload_bytes"],
                     tuple(opt._compressor([i]).counts[0] for i in range(len(w0))),
                     tuple(lay.block_size for lay in opt.layouts))

@@ -7,20 +7,18 @@ import tensorflow as tf
 
 import tf_blocksparse as tfbs
 from tests import reference as ref
-from tests.batches import in_order
+from tests.batches import fit_in_order
 from tests.test_optimizer import _cnn, _xy, plain_sgd_weights
 from tests.test_optimizer_reference import LR, MOMENTUM, STEPS, _data, _loss, _model, _replica_grads
 
 
 def _fit(strategy, make_opt, callbacks, epochs):
-    batches, steps = in_order(*_xy())
     with strategy.scope():
         model = _cnn()
         opt = make_opt()
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
-    hist = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=epochs, verbose=0,
-                     callbacks=callbacks)
+    hist = fit_in_order(model, *_xy(), 16, epochs, callbacks=callbacks)
     return model, opt, hist
 
 
@@ -53,9 +51,7 @@ def test_densities_switch_per_epoch_and_residuals_carry_over(mirrored2):
     assert any(np.any(r.value.values[0].numpy()) for r in opt.residuals)
     assert np.isfinite(hist.history["loss"]).all()
     # a second fit with the same callback starts again from the warm-up (epoch 0 at 1.0)
-    batches, steps = in_order(*_xy())
-    hist2 = model.fit(batches, steps_per_epoch=steps, shuffle=False, epochs=1, verbose=0,
-                      callbacks=[tfbs.BlockSparseMetrics(), warm])
+    hist2 = fit_in_order(model, *_xy(), 16, 1, callbacks=[tfbs.BlockSparseMetrics(), warm])
     assert hist2.history["payload_bytes"][0] == sent[0]
 
 
