@@ -1,22 +1,35 @@
 """Test set-up: two logical CPU devices so MirroredStrategy has two real replicas, and one
 2-process MultiWorkerMirroredStrategy launch that the cluster tests share."""
 
+from __future__ import annotations
+
 import fcntl
 import os
 import sys
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
 
-_cpus = tf.config.list_physical_devices("CPU")
-try:
-    tf.config.set_logical_device_configuration(
-        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-except RuntimeError:  # already initialised by an earlier import
-    pass
+def pytest_configure(config: pytest.Config) -> None:
+    """Two logical CPU devices in every process that runs tests, set before any test module
+    imports TensorFlow's devices.  A pytest-xdist controller runs no test and skips
+    TensorFlow's import (about 5 CPU-seconds)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import tensorflow as tf
 
-import pytest  # noqa: E402
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+    except RuntimeError:  # already initialised by an earlier import
+        pass
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +39,8 @@ def mirrored2() -> tf.distribute.MirroredStrategy:
     TF gives every MirroredStrategy instance the same collective keys, so two instances
     in one process that both run collectives (``all_gather``) clash; tests share one.
     """
+    import tensorflow as tf
+
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
