@@ -173,7 +173,7 @@ bench-full: venv data
 			--methods=dense,block_default,block_auto_default \
 			--convergence=$(CURVES) --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=gru_nmt,lstm_nmt --bandwidths_mbit=30,300 \
-			--methods=dense,block_auto_default --timing_repeats=3 \
+			--methods=dense,block_auto_default --timing_repeats=5 \
 			--convergence=$(CURVES) --out=runs/wall_rep_rnn && \
 		cp runs/wall_rep_rnn/time_to_accuracy.json $(BENCH)/time_to_accuracy_recurrent.json && \
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=100,1000 \
