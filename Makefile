@@ -156,6 +156,8 @@ bench-full: venv data
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --methods=local_dense --out=runs/vgg_long
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --methods=local_block_20pct_nesterov \
 		--out=runs/vgg_long
+	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 \
+		--methods=local_block_40pct_int4_nesterov --out=runs/vgg_long
 	cp runs/vgg_long/convergence.json $(BENCH)/convergence_vgg_fc_20_epochs.json
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0 --methods=local_block_20pct \
 		--out=runs/vgg_local_tuning
@@ -190,7 +192,7 @@ bench-full: venv data
 			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
 			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=100 \
-			--methods=dense,block_default,local_dense,local_block,local_block_20pct_nesterov \
+			--methods=dense,block_default,local_dense,local_block,local_block_20pct_nesterov,local_block_40pct_int4_nesterov \
 			--target_drop=0.005 \
 			--timing_steps=64 --convergence=$(CURVES) --out=runs/local_wall && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100 \

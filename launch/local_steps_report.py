@@ -28,7 +28,7 @@ from launch import convergence_curves, experiments, script
 FLAGS = flags.FLAGS
 #: The methods the report compares, in its order.
 REPORT_METHODS = ("dense", "block_default", "local_dense", "local_block",
-                  "local_block_20pct_nesterov")
+                  "local_block_20pct_nesterov", "local_block_40pct_int4_nesterov")
 
 
 def define_flags() -> None:
