@@ -149,6 +149,8 @@ bench-full: venv data
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0 --methods=local_block_nesterov
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_average
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=local_block_20pct_nesterov
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 \
+		--methods=local_block_40pct_int4_nesterov
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0 \
 		--methods=local_block,local_dense,local_block_nesterov
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --out=runs/vgg_long
