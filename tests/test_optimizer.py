@@ -27,13 +27,16 @@ def _xy(n=64):
     return x, rng.integers(0, 4, n).astype("int32")
 
 
-def _fit(strategy, make_opt, epochs=1, model_fn=_cnn, data=None):
+def _fit(strategy, make_opt, epochs=1, model_fn=_cnn, data=None, **fit_kwargs):
+    """A compiled ``model_fn()`` under ``make_opt()``, fitted ``epochs`` on ``data`` (default
+    :func:`_xy`) in order, batches of 16; ``fit_kwargs`` go to ``model.fit``."""
     with strategy.scope():
         model = model_fn()
         opt = make_opt()
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True))
-    hist = fit_in_order(model, *(data if data is not None else _xy()), 16, epochs)
+    hist = fit_in_order(model, *(data if data is not None else _xy()), 16, epochs,
+                        **fit_kwargs)
     return model, opt, hist
 
 

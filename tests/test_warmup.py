@@ -8,18 +8,8 @@ import tensorflow as tf
 import tf_blocksparse as tfbs
 from tests import reference as ref
 from tests.batches import fit_in_order
-from tests.test_optimizer import _cnn, _xy, plain_sgd_weights
+from tests.test_optimizer import _fit, _xy, plain_sgd_weights
 from tests.test_optimizer_reference import LR, MOMENTUM, STEPS, _data, _loss, _model, _replica_grads
-
-
-def _fit(strategy, make_opt, callbacks, epochs):
-    with strategy.scope():
-        model = _cnn()
-        opt = make_opt()
-        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True))
-    hist = fit_in_order(model, *_xy(), 16, epochs, callbacks=callbacks)
-    return model, opt, hist
 
 
 @pytest.mark.parametrize("mode", ["allgather", "shared"])
@@ -27,7 +17,7 @@ def test_density_one_epoch_trains_like_plain_sgd(mirrored2, mode):
     """Epoch 0 at density 1.0 sends everything: the weights match plain SGD(momentum)."""
     ours, opt, _ = _fit(mirrored2, lambda: tfbs.BlockSparseOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), k=1, exchange=mode, dense_below=0,
-        momentum_correction=None), [tfbs.DensityWarmup([1.0])], 1)
+        momentum_correction=None), callbacks=[tfbs.DensityWarmup([1.0])])
     # plain SGD(0.1, momentum=0.9) for one epoch of the same batches (trained once)
     for a, b in zip(plain_sgd_weights(mirrored2), ours.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -41,7 +31,7 @@ def test_densities_switch_per_epoch_and_residuals_carry_over(mirrored2):
         keras.optimizers.SGD(0.05), k=1, momentum_correction=0.9, dense_below=0,
         exchange="allgather")
     warm = tfbs.DensityWarmup([1.0, 0.5])
-    model, opt, hist = _fit(mirrored2, opt_fn, [tfbs.BlockSparseMetrics(), warm], 4)
+    model, opt, hist = _fit(mirrored2, opt_fn, 4, callbacks=[tfbs.BlockSparseMetrics(), warm])
     sent = hist.history["payload_bytes"]
     assert sent[0] > sent[1] > sent[2] == sent[3], sent
     assert hist.history["dense_bytes"][0] == hist.history["dense_bytes"][3]
@@ -68,7 +58,7 @@ def test_bad_densities_are_named(bad):
      "sparse exchange")])
 def test_needs_a_sparse_block_sparse_optimizer(mirrored2, make_opt, match):
     with pytest.raises(ValueError, match=match):
-        _fit(mirrored2, make_opt, [tfbs.DensityWarmup([0.5])], 1)
+        _fit(mirrored2, make_opt, callbacks=[tfbs.DensityWarmup([0.5])])
 
 
 def test_switching_density_between_traces_matches_numpy_reference(mirrored2):
