@@ -191,6 +191,10 @@ bench-full: venv data
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --out=$(BENCH) \
 			--convergence=$(CURVES) && \
+		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
+			--methods=dense,block_default,block_auto_default --timing_repeats=3 \
+			--convergence=$(CURVES) --out=runs/r20_wall_rep && \
+		cp runs/r20_wall_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_resnet20_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
 			--methods=dense,block_auto_default --timing_repeats=3 \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \
@@ -217,10 +221,14 @@ bench-full: venv data
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=10 \
 			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
 			--timing_steps=32 --timing_epochs=2 --convergence=$(CURVES) --out=runs/local_wall_10 && \
-		cp runs/local_wall_10/time_to_accuracy.json $(BENCH)/local_steps_wall_clock_10mbit.json; \
+		cp runs/local_wall_10/time_to_accuracy.json $(BENCH)/local_steps_wall_clock_10mbit.json && \
+		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100 \
+			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
+			--timing_steps=64 --timing_repeats=3 --convergence=$(CURVES) --out=runs/r20_local_rep && \
+		cp runs/r20_local_rep/time_to_accuracy.json $(BENCH)/local_steps_wall_clock_resnet20_repeats.json; \
 	else echo "bench-full: backup and wall-clock benches skipped (need root for network namespaces)"; fi
 	$(PY) -m launch.local_steps_report --convergence=$(CURVES) \
-		--wall_clock=$(BENCH)/local_steps_wall_clock.json,$(BENCH)/local_steps_wall_clock_10mbit.json
+		--wall_clock=$(BENCH)/local_steps_wall_clock.json,$(BENCH)/local_steps_wall_clock_10mbit.json,$(BENCH)/local_steps_wall_clock_resnet20_repeats.json
 	@echo "bench-full: the early-training groups of time_to_accuracy_early.json and convergence_early.json"
 	@echo "have their own commands in docs/results.md"
 
