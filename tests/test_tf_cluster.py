@@ -157,8 +157,12 @@ def test_pair_rates_shape_each_link():
     with netem.NetworkCluster(3, pair_mbit=rates) as net:
         got = {(a, b): probe.measure_link(net, a, b, seconds=1.0)
                for a, b in ((0, 1), (0, 2), (2, 1))}
+    # A one-second probe reads up to ~6% over the cap (the token bucket's burst) and, on a
+    # loaded machine, far under it (150 Mbit/s measured 112 beside three trainings); so the
+    # bounds are loose and the three links must come out in the order of their rates.
     for (a, b), mbit in got.items():
-        assert 0.85 * rates[a][b] < mbit < 1.05 * rates[a][b], (a, b, mbit)
+        assert 0.5 * rates[a][b] < mbit < 1.1 * rates[a][b], (a, b, mbit)
+    assert got[(0, 2)] < got[(2, 1)] < got[(0, 1)], got
 
 
 @needs_root
