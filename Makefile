@@ -170,7 +170,7 @@ bench-full: venv data
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --methods=local_block --out=runs/r20_long
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --methods=local_dense --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
-	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=dense --out=runs/r20_30ep
+	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --out=runs/r20_30ep
 	cp runs/r20_30ep/convergence.json $(BENCH)/convergence_resnet20_30_epochs.json
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0 --methods=local_block_40pct_int4_nesterov \
 		--out=runs/r20_local_tuning
@@ -197,6 +197,13 @@ bench-full: venv data
 			--methods=dense,block_default,block_auto_default --timing_repeats=3 \
 			--convergence=$(CURVES) --out=runs/r20_wall_rep && \
 		cp runs/r20_wall_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_resnet20_repeats.json && \
+		mkdir -p runs/r20_wall30_rep && \
+		cp runs/r20_wall_rep/time_to_accuracy.json runs/r20_wall30_rep/ && \
+		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
+			--methods=dense,block_default,block_auto_default --timing_repeats=3 \
+			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
+			--out=runs/r20_wall30_rep && \
+		cp runs/r20_wall30_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_resnet20_30_epochs.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
 			--methods=dense,block_auto_default --timing_repeats=3 \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \
