@@ -171,6 +171,8 @@ bench-full: venv data
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0,1,2 --methods=local_dense --out=runs/r20_long
 	cp runs/r20_long/convergence.json $(BENCH)/convergence_resnet20_20_epochs.json
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --out=runs/r20_30ep
+	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_dgc_warmup \
+		--out=runs/r20_30ep
 	cp runs/r20_30ep/convergence.json $(BENCH)/convergence_resnet20_30_epochs.json
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0 --methods=local_block_40pct_int4_nesterov \
 		--out=runs/r20_local_tuning
