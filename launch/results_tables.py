@@ -122,11 +122,13 @@ def convergence_table(doc: dict) -> str:
     for r in doc["records"]:
         per_seed = " / ".join(f"{a:.4f}" for a in r["final_accuracy"])
         ratio = r["dense_bytes_per_step"] / r["bytes_per_step"]
+        gap = r.get("gap_to_dense_points")  # None: no dense run in this file
+        vs_dense = ("- | -" if gap is None else
+                    f"{gap:+.2f} | {'yes' if r.get('within_0_3_points') else 'no'}")
         lines.append(
             f"| {r['model']} | {r['method']} | {len(r['seeds'])} | {r.get('epochs', '-')} | "
             f"{per_seed} | {r['mean']:.4f} | "
-            f"{r['std']:.4f} | {r.get('gap_to_dense_points', 0.0):+.2f} | "
-            f"{'yes' if r.get('within_0_3_points') else 'no'} | {r['bytes_per_step']:,} | "
+            f"{r['std']:.4f} | {vs_dense} | {r['bytes_per_step']:,} | "
             f"{ratio:.1f}x |")
     return "\n".join(lines)
 

@@ -133,6 +133,12 @@ def test_other_budget_convergence_files(name, model):
         assert run["flags"]["lr_schedule"] == "cosine" and run["flags"]["deterministic"]
         assert run["flags"]["warmup_epochs"] == doc["budget"]["warmup_epochs"]
         assert len(run["provenance"]["commit"]) == 40
+    # A file without a dense run compares nothing with dense in its table.
+    table = results_tables.convergence_table(doc).splitlines()[2:]
+    has_dense = {r["model"] for r in rows if r["method"] == "dense"}
+    for r, line in zip(rows, table, strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert (cells[7:9] == ["-", "-"]) == (r["model"] not in has_dense), line
 
 
 def test_early_convergence_file():
