@@ -174,6 +174,9 @@ bench-full: venv data
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_dgc_warmup \
 		--out=runs/r20_30ep
 	cp runs/r20_30ep/convergence.json $(BENCH)/convergence_resnet20_30_epochs.json
+	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default --warmup_epochs=1 \
+		--out=runs/r20_30ep_lr_warmup
+	cp runs/r20_30ep_lr_warmup/convergence.json $(BENCH)/convergence_resnet20_30_epochs_lr_warmup.json
 	$(CONVERGE) --models=resnet20 --epochs=20 --seeds=0 --methods=local_block_40pct_int4_nesterov \
 		--out=runs/r20_local_tuning
 	cp runs/r20_local_tuning/convergence.json $(BENCH)/convergence_resnet20_local_tuning.json

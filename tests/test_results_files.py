@@ -117,6 +117,8 @@ def test_convergence_file():
                                         ("convergence_vgg_fc_local_tuning.json", "vgg_fc"),
                                         ("convergence_resnet20_20_epochs.json", "resnet20"),
                                         ("convergence_resnet20_30_epochs.json", "resnet20"),
+                                        ("convergence_resnet20_30_epochs_lr_warmup.json",
+                                         "resnet20"),
                                         ("convergence_resnet20_local_tuning.json", "resnet20")])
 def test_other_budget_convergence_files(name, model):
     """One model at another budget (more epochs, a learning-rate warm-up): the same
