@@ -44,7 +44,7 @@ MODELS: dict[str, Callable[..., keras.Model]] = {
 }
 SEQUENCE_MODELS = frozenset({"gru_nmt", "lstm_nmt"})
 #: Models that train on the launch data sets (28x28 Fashion-MNIST, 8x8 digits, ...).
-DATASET_MODELS = ("resnet20", "vgg_fc", "cnn_small", "gru_nmt", "lstm_nmt")
+DATASET_MODELS = ("resnet20", "vgg_fc", "cnn_small", "cnn_bn", "gru_nmt", "lstm_nmt")
 #: ``keras.applications`` networks built for ImageNet-sized inputs by default.
 IMAGENET_MODELS = ("resnet50", "resnet101", "vgg16")
 

@@ -159,8 +159,8 @@ def test_gru_nmt_learns_with_block_sparse_exchange() -> None:
 def test_registry() -> None:
     assert set(registry.MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt", "lstm_nmt",
                                     "cnn_bn", "resnet50", "resnet101", "vgg16"}
-    assert set(registry.DATASET_MODELS) == {"resnet20", "vgg_fc", "cnn_small", "gru_nmt",
-                                            "lstm_nmt"}
+    assert set(registry.DATASET_MODELS) == {"resnet20", "vgg_fc", "cnn_small", "cnn_bn",
+                                            "gru_nmt", "lstm_nmt"}
     assert registry.is_sequence_model("gru_nmt") and registry.is_sequence_model("lstm_nmt")
     assert not any(registry.is_sequence_model(n) for n in IMAGE_MODELS)
     with pytest.raises(ValueError, match="no_such_net"):
