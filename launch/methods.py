@@ -48,6 +48,10 @@ METHODS: dict[str, MethodSpec] = {
                                    momentum_masking="waited"),
     "block_default_nomask": Method(CompressionOptions(exchange="allgather"),
                                    momentum_masking="none"),
+    # The default with only the compressed variables' sent blocks masked: the variables
+    # sent whole every step keep their momentum (momentum SGD on them).
+    "block_default_maskcomp": Method(CompressionOptions(exchange="allgather"),
+                                     momentum_masking="compressed"),
     # The default with DGC's density warm-up: 25%, 6.25%, 1.56% and 0.4% of the blocks in
     # the first four epochs, then k=1.
     "block_default_dgc_warmup": Method(CompressionOptions(exchange="allgather"),

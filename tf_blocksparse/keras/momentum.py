@@ -23,6 +23,10 @@ Maskings (which sent blocks are zeroed in the local momentum):
     Only blocks that had waited (a non-zero residual before this step), so blocks sent step
     after step keep their momentum and a block released after a wait does not carry its
     burst on.
+``"compressed"``
+    Only the compressed variables' sent blocks: a variable whose every block is sent every
+    step (under ``dense_below``, or ``k`` at least its block count) keeps its momentum
+    (momentum SGD on it), while the compressed variables are masked as with ``"all"``.
 
 Variables sent whole count every block as sent, except recurrent layers' with
 ``recurrent="whole"``: no masking touches their momentum (momentum SGD on them), which is
@@ -48,7 +52,7 @@ from tf_blocksparse.checks import check_choice
 from tf_blocksparse.keras import inner_optimizer as inner_lib
 from tf_blocksparse.options import AUTO, MASKINGS
 
-__all__ = ["MomentumCorrection", "mask_sent"]
+__all__ = ["MomentumCorrection", "mask_sent", "sends_every_block"]
 
 #: What ``masking`` / ``momentum_masking`` accept: a masking, or ``"auto"`` (see
 #: :meth:`MomentumCorrection.resolve`).
@@ -72,8 +76,8 @@ class MomentumCorrection:
     Args:
       momentum: The factor ``m`` in [0, 1), or ``"auto"``: the inner ``SGD``'s momentum,
         moved (see :meth:`resolve`).
-      masking: ``"auto"`` (default), ``"all"``, ``"waited"`` or ``"none"`` (module
-        docstring); ``"auto"`` is decided by :meth:`resolve`.
+      masking: ``"auto"`` (default), ``"all"``, ``"waited"``, ``"none"`` or
+        ``"compressed"`` (module docstring); ``"auto"`` is decided by :meth:`resolve`.
 
     Raises:
       ValueError: A bad value, naming the argument.
@@ -144,6 +148,9 @@ class MomentumCorrection:
         """The new local momenta after the exchange (``residuals``: from before it)."""
         if self.masking == "none":
             return list(us)
+        if self.masking == "compressed" and sent_ids is not None:
+            sent_ids = [None if ids is None or sends_every_block(ids, lay) else ids
+                        for ids, lay in zip(sent_ids, layouts)]
         return mask_sent(us, layouts, sent_ids,
                          residuals if self.masking == "waited" else None)
 
@@ -153,6 +160,13 @@ class MomentumCorrection:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> MomentumCorrection:
         return cls(**config)
+
+
+def sends_every_block(ids: tf.Tensor, layout: BlockLayout) -> bool:
+    """Whether sent block ids [k_v] (a static count) cover all of ``layout``'s blocks every
+    step: a variable sent whole, or one whose ``k`` reaches its block count."""
+    count = ids.shape[0] if ids.shape.rank == 1 else None
+    return count is not None and count >= layout.num_blocks
 
 
 def mask_sent(us: Sequence[tf.Tensor], layouts: Sequence[BlockLayout],
