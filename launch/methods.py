@@ -113,7 +113,7 @@ DEMO_METHODS = {"dense": "dense", "block default": "block_auto_default",
 #: The methods ``launch.bench_convergence`` may run, in its table's order.
 CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
                        "block_recurrent_whole", "block_recurrent_whole_nomask",
-                       "block_default_waited", "block_default_nomask",
+                       "block_default_waited", "block_default_nomask", "block_default_maskcomp",
                        "block_default_dgc_warmup", "block_allgather",
                        "block_source", "block_k1_dgc", "block_k1_waited", "topk_1pct",
                        "local_dense", "local_average", "local_block", "local_block_20pct",
