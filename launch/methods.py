@@ -52,6 +52,10 @@ METHODS: dict[str, MethodSpec] = {
     # sent whole every step keep their momentum (momentum SGD on them).
     "block_default_maskcomp": Method(CompressionOptions(exchange="allgather"),
                                      momentum_masking="compressed"),
+    # The default with only the variables sent whole masked: the compressed variables keep
+    # their momentum (as without masking), the ones sent whole train with plain SGD.
+    "block_default_maskwhole": Method(CompressionOptions(exchange="allgather"),
+                                      momentum_masking="whole"),
     # The default with DGC's density warm-up: 25%, 6.25%, 1.56% and 0.4% of the blocks in
     # the first four epochs, then k=1.
     "block_default_dgc_warmup": Method(CompressionOptions(exchange="allgather"),
@@ -114,6 +118,7 @@ DEMO_METHODS = {"dense": "dense", "block default": "block_auto_default",
 CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
                        "block_recurrent_whole", "block_recurrent_whole_nomask",
                        "block_default_waited", "block_default_nomask", "block_default_maskcomp",
+                       "block_default_maskwhole",
                        "block_default_dgc_warmup", "block_allgather",
                        "block_source", "block_k1_dgc", "block_k1_waited", "topk_1pct",
                        "local_dense", "local_average", "local_block", "local_block_20pct",

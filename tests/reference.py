@@ -233,7 +233,8 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
     exchange in place of ``g``; ``masking="all"`` zeroes the blocks a replica sent in its
     ``u`` too, ``"waited"`` only those whose residual block was non-zero before the step,
     ``"none"`` none, ``"compressed"`` the sent blocks of variables that do not send every
-    block each step.  Variables sent whole (``dense_below``) count every block as sent.
+    block each step, ``"whole"`` only those of variables that do.  Variables sent whole
+    (``dense_below``) count every block as sent.
 
     Returns:
       ``(updates, new_residuals, new_velocities, finite)``.
@@ -251,9 +252,11 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                             dtype=np.int64)
                  for ids, lay, r in zip(ids_r, layouts, rs_r)]
                 for ids_r, rs_r in zip(sent, residuals_per_replica)]
-    if masking == "compressed":  # every block sent each step: the momentum stays
-        sent = [[np.asarray([], dtype=np.int64) if len(ids) >= _view_shape(lay)[1] else ids
-                 for ids, lay in zip(ids_r, layouts)] for ids_r in sent]
+    if masking in ("compressed", "whole"):  # masks only the variables not / only sent whole
+        every = masking == "whole"
+        sent = [[ids if (len(ids) >= _view_shape(lay)[1]) == every
+                 else np.asarray([], dtype=np.int64) for ids, lay in zip(ids_r, layouts)]
+                for ids_r in sent]
     velocities = [[np_zero_blocks(u, lay, ids) for u, lay, ids in zip(us_r, layouts, ids_r)]
                   for us_r, ids_r in zip(us, sent)]
     return updates, residuals, velocities, finite

@@ -35,6 +35,8 @@ COMMAND_LINES = {
                              "--momentum_masking=none"),
     "block_default_maskcomp": ("--compression=block", "--exchange=allgather",
                                "--momentum_masking=compressed"),
+    "block_default_maskwhole": ("--compression=block", "--exchange=allgather",
+                                "--momentum_masking=whole"),
     "block_default_dgc_warmup": ("--compression=block", "--exchange=allgather",
                                  "--density_warmup=0.25,0.0625,0.015625,0.004"),
     "block_allgather": ("--compression=block", "--density={density}", "--exchange=allgather"),

@@ -43,7 +43,7 @@ GRANULARITIES = ("block", "element")
 #: What the optimizer wrapper does with a step whose gradients hold an inf or NaN.
 NONFINITE = ("skip", "apply")
 #: Which sent blocks momentum correction zeroes in the local momentum.
-MASKINGS = ("all", "waited", "none", "compressed")
+MASKINGS = ("all", "waited", "none", "compressed", "whole")
 #: How the all-gather exchange sends selected block values: their own dtype, bfloat16, or
 #: 8 / 4-bit integers with a float32 scale per block (:mod:`tf_blocksparse.quantize`).
 QUANTIZATIONS = ("none", "bfloat16", "int8", "int4")

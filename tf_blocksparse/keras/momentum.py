@@ -27,6 +27,10 @@ Maskings (which sent blocks are zeroed in the local momentum):
     Only the compressed variables' sent blocks: a variable whose every block is sent every
     step (under ``dense_below``, or ``k`` at least its block count) keeps its momentum
     (momentum SGD on it), while the compressed variables are masked as with ``"all"``.
+``"whole"``
+    The other half of ``"all"``: only the variables whose every block is sent every step are
+    masked (plain SGD on them), while the compressed variables keep their momentum whole
+    as with ``"none"``.
 
 Variables sent whole count every block as sent, except recurrent layers' with
 ``recurrent="whole"``: no masking touches their momentum (momentum SGD on them), which is
@@ -76,8 +80,9 @@ class MomentumCorrection:
     Args:
       momentum: The factor ``m`` in [0, 1), or ``"auto"``: the inner ``SGD``'s momentum,
         moved (see :meth:`resolve`).
-      masking: ``"auto"`` (default), ``"all"``, ``"waited"``, ``"none"`` or
-        ``"compressed"`` (module docstring); ``"auto"`` is decided by :meth:`resolve`.
+      masking: ``"auto"`` (default), ``"all"``, ``"waited"``, ``"none"``,
+        ``"compressed"`` or ``"whole"`` (module docstring); ``"auto"`` is decided by
+        :meth:`resolve`.
 
     Raises:
       ValueError: A bad value, naming the argument.
@@ -148,9 +153,10 @@ class MomentumCorrection:
         """The new local momenta after the exchange (``residuals``: from before it)."""
         if self.masking == "none":
             return list(us)
-        if self.masking == "compressed" and sent_ids is not None:
-            sent_ids = [None if ids is None or sends_every_block(ids, lay) else ids
-                        for ids, lay in zip(sent_ids, layouts)]
+        if self.masking in ("compressed", "whole") and sent_ids is not None:
+            keep_whole = self.masking == "whole"
+            sent_ids = [ids if ids is not None and sends_every_block(ids, lay) == keep_whole
+                        else None for ids, lay in zip(sent_ids, layouts)]
         return mask_sent(us, layouts, sent_ids,
                          residuals if self.masking == "waited" else None)
 
