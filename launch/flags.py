@@ -204,8 +204,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_enum("momentum_masking", None, list(MASKINGS),
                       "Sparse methods with local momentum: which sent blocks leave the local "
                       "momentum (all: DGC factor masking; waited: only blocks that had "
-                      "waited; none).  Default: the library's (none with --recurrent=whole, "
-                      "else all).", **fv)
+                      "waited; none; compressed: only the compressed variables' blocks; "
+                      "whole: only the variables sent whole every step).  Default: the "
+                      "library's (none with --recurrent=whole, else all).", **fv)
     flags.DEFINE_integer("dense_below", None, "Sparse methods: variables with fewer elements "
                          "are sent whole every step.  Default: the library's (1024); 0 "
                          "compresses every variable.", lower_bound=0, **fv)
