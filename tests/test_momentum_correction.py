@@ -6,9 +6,13 @@ import functools
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tf_blocksparse as tfbs
 from tests import reference as ref
+from tests import test_selection
 from tests.test_optimizer_reference import (
     LR,
     MOMENTUM,
@@ -186,3 +190,33 @@ def test_default_masking_follows_recurrent_whole():
     opt = masking(recurrent="whole")
     assert opt.get_config()["momentum_correction"]["masking"] == "none"
     assert tfbs.BlockSparseOptimizer.from_config(opt.get_config()).momentum_masking == "none"
+
+
+@given(lays=st.lists(test_selection.layouts(max_rank=3), min_size=1, max_size=4),
+       data=st.data())
+@settings(max_examples=30, deadline=None)
+def test_compressed_and_whole_maskings_split_dgc_masking(lays, data):
+    """``"compressed"`` and ``"whole"`` each mask a disjoint part of what ``"all"`` masks
+    (a variable whose every block is sent belongs to ``"whole"``), so applying both is
+    DGC's masking and every variable the one leaves alone is bit-exact."""
+    us = [tf.constant(test_selection._data(data.draw(st.integers(0, 2**16)), lay.shape))
+          for lay in lays]
+    sent = []
+    for lay in lays:  # per variable: nothing known, a few blocks, or every block
+        count = data.draw(st.sampled_from([None, *range(1, lay.num_blocks + 1)]))
+        sent.append(None if count is None else tf.constant(
+            sorted(data.draw(st.permutations(range(lay.num_blocks)))[:count]), tf.int32))
+    policy = {m: tfbs.MomentumCorrection(0.9, masking=m)
+              for m in ("all", "compressed", "whole", "none")}
+    every = [ids is not None and int(ids.shape[0]) == lay.num_blocks
+             for ids, lay in zip(sent, lays)]
+    got_all = policy["all"].mask(us, lays, sent, None)
+    comp = policy["compressed"].mask(us, lays, sent, None)
+    whole = policy["whole"].mask(us, lays, sent, None)
+    both = policy["whole"].mask(comp, lays, sent, None)
+    for i, flag in enumerate(every):
+        np.testing.assert_array_equal(both[i].numpy(), got_all[i].numpy())
+        np.testing.assert_array_equal((comp if flag else whole)[i].numpy(), us[i].numpy())
+        np.testing.assert_array_equal((whole if flag else comp)[i].numpy(),
+                                      got_all[i].numpy())
+    assert all(a is b for a, b in zip(policy["none"].mask(us, lays, sent, None), us))
