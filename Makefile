@@ -133,10 +133,13 @@ bench-full: venv data
 	cp runs/demo/accuracy_vs_bytes.png $(BENCH)/demo_accuracy_vs_bytes.png
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=block_default_nomask
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 \
+		--methods=block_default_maskcomp,block_default_maskwhole
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 \
 		--methods=dense,block_default,block_default_nomask
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_dense_below_512
+	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole
 	$(CONVERGE) --models=lstm_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=gru_nmt,lstm_nmt --epochs=20 --seeds=0,1,2 --methods=block_recurrent_whole
 	$(CONVERGE) --models=gru_nmt,lstm_nmt --epochs=20 --seeds=0,1,2 \
