@@ -169,6 +169,8 @@ bench-full: venv data
 		--methods=local_block_40pct_int4_nesterov --out=runs/vgg_long
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --methods=local_average \
 		--out=runs/vgg_long
+	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole \
+		--out=runs/vgg_long
 	cp runs/vgg_long/convergence.json $(BENCH)/convergence_vgg_fc_20_epochs.json
 	$(CONVERGE) --models=vgg_fc --epochs=20 --seeds=0 --methods=local_block_20pct \
 		--out=runs/vgg_local_tuning

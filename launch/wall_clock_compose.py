@@ -17,6 +17,8 @@ from launch.convergence_curves import epochs_to_target
 #: The automatic exchange's curve at a rate is that of the mode it chose there: all groups
 #: dense -> dense's, all sparse -> the same compression always applied.
 AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_default"},
+               "block_auto_maskwhole": {"dense": "dense",
+                                        "allgather": "block_default_maskwhole"},
                "local_auto": {"dense": "local_average", "allgather": "local_block"}}
 
 

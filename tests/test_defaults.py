@@ -25,7 +25,7 @@ def test_the_default_is_the_automatic_exchange():
     assert opt.momentum_correction == pytest.approx(0.9)
     assert opt.inner_optimizer.momentum == pytest.approx(0.9)
     assert opt.dense_below == DENSE_BELOW == 1024 and opt.k == 1
-    assert opt.momentum_masking == "all"
+    assert opt.momentum_masking == "whole"
 
 
 def test_inner_sgd_momentum_moves_before_a_sparse_exchange():
@@ -34,7 +34,7 @@ def test_inner_sgd_momentum_moves_before_a_sparse_exchange():
     assert opt.momentum_correction == pytest.approx(0.9)
     assert opt.inner_optimizer.momentum == 0.0
     assert opt.dense_below == DENSE_BELOW == 1024 and opt.k == 1
-    assert opt.momentum_masking == "all"
+    assert opt.momentum_masking == "whole"
 
 
 @pytest.mark.parametrize("inner,exchange", [
@@ -93,6 +93,22 @@ def test_config_without_the_new_keys_means_the_old_behaviour():
     old = tfbs.BlockSparseOptimizer.from_config(config)
     assert old.momentum_correction is None and old.inner_optimizer.momentum == 0.9
     assert old.dense_below == 0
+
+
+def test_a_config_without_a_masking_keeps_dgc_masking():
+    """Configs written before the masking was a choice keep DGC's ``"all"`` (what they were
+    saved with), in the composed layout and the flat one; a new optimizer gets ``"whole"``."""
+    assert tfbs.MomentumCorrection.from_config({"momentum": 0.9}).masking == "all"
+    flat = _flat_config(inner=keras.saving.serialize_keras_object(keras.optimizers.SGD(0.05)),
+                        momentum_correction=0.9)
+    del flat["momentum_masking"]
+    old = tfbs.BlockSparseOptimizer.from_config(flat)
+    assert old.momentum_correction == 0.9 and old.momentum_masking == "all"
+    composed = old.get_config()
+    assert composed["momentum_correction"] == {"momentum": 0.9, "masking": "all"}
+    assert tfbs.BlockSparseOptimizer.from_config(composed).momentum_masking == "all"
+    del composed["momentum_correction"]["masking"]
+    assert tfbs.BlockSparseOptimizer.from_config(composed).momentum_masking == "all"
 
 
 def test_flat_config_round_trips_into_the_composed_form():

@@ -16,15 +16,18 @@ from tf_blocksparse.options import CompressionOptions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-#: The command line of every method as the committed results record it (``{density}``: the
-#: benchmark's ``--density``).  A method's flags must not change: the results files hold
-#: the runs they made.
+#: The command line of every method (``{density}``: the benchmark's ``--density``).  What a
+#: method runs must not change: the results files hold the runs it made.  Where a library
+#: default changed after them, the method states the old value (``--momentum_masking=all``:
+#: DGC's masking, the default masking when those results were made).
 COMMAND_LINES = {
     "dense": ("--compression=dense",),
-    "block_auto_default": ("--compression=block", "--exchange=auto"),
-    "block_default": ("--compression=block", "--exchange=allgather"),
+    "block_auto_default": ("--compression=block", "--exchange=auto", "--momentum_masking=all"),
+    "block_auto_maskwhole": ("--compression=block", "--exchange=auto",
+                             "--momentum_masking=whole"),
+    "block_default": ("--compression=block", "--exchange=allgather", "--momentum_masking=all"),
     "block_dense_below_512": ("--compression=block", "--exchange=allgather",
-                              "--dense_below=512"),
+                              "--dense_below=512", "--momentum_masking=all"),
     "block_recurrent_whole": ("--compression=block", "--exchange=allgather",
                               "--momentum_masking=all", "--recurrent=whole"),
     "block_recurrent_whole_nomask": ("--compression=block", "--exchange=allgather",
@@ -38,19 +41,25 @@ COMMAND_LINES = {
     "block_default_maskwhole": ("--compression=block", "--exchange=allgather",
                                 "--momentum_masking=whole"),
     "block_default_dgc_warmup": ("--compression=block", "--exchange=allgather",
+                                 "--momentum_masking=all",
                                  "--density_warmup=0.25,0.0625,0.015625,0.004"),
-    "block_allgather": ("--compression=block", "--density={density}", "--exchange=allgather"),
-    "block_shared": ("--compression=block", "--density={density}", "--exchange=shared"),
+    "block_allgather": ("--compression=block", "--density={density}", "--exchange=allgather",
+                        "--momentum_masking=all"),
+    "block_shared": ("--compression=block", "--density={density}", "--exchange=shared",
+                     "--momentum_masking=all"),
     "block_auto": ("--compression=block", "--density={density}", "--exchange=auto",
-                   "--fusion_buffer_bytes=262144"),
-    "block_k1": ("--compression=block", "--k=1", "--exchange=allgather"),
+                   "--fusion_buffer_bytes=262144", "--momentum_masking=all"),
+    "block_k1": ("--compression=block", "--k=1", "--exchange=allgather",
+                 "--momentum_masking=all"),
     "block_source": ("--compression=block", "--k=1", "--exchange=allgather",
                      "--global_momentum", "--dense_below=0"),
     "block_k1_dgc": ("--compression=block", "--k=1", "--exchange=allgather",
-                     "--dense_below=0"),
+                     "--dense_below=0", "--momentum_masking=all"),
     "block_k1_waited": ("--compression=block", "--momentum_masking=waited"),
-    "topk": ("--compression=topk", "--density={density}", "--exchange=allgather"),
-    "topk_1pct": ("--compression=topk", "--density=0.01", "--exchange=allgather"),
+    "topk": ("--compression=topk", "--density={density}", "--exchange=allgather",
+             "--momentum_masking=all"),
+    "topk_1pct": ("--compression=topk", "--density=0.01", "--exchange=allgather",
+                  "--momentum_masking=all"),
     "local_dense": ("--compression=dense", "--sync_every=32"),
     "local_block": ("--compression=block", "--density=0.05", "--exchange=allgather",
                     "--quantize=int8", "--sync_every=32", "--outer_lr=1.0",
@@ -103,6 +112,15 @@ def test_flags_config_flags_round_trip(method: str, density: float):
     parsed = Method.from_flags(_parse(args))
     assert parsed.to_flags() == args
     assert parsed == experiments.method_config(method, density)
+
+
+@pytest.mark.parametrize("method", sorted(COMMAND_LINES))
+def test_every_sparse_method_states_its_momentum_masking(method: str):
+    """A change of the library's default masking cannot change what a method runs: every
+    method with a local momentum (sparse, no global momentum, no local steps) states it."""
+    config = experiments.method_config(method, 0.05)
+    if config.options.sparse and not config.global_momentum and not config.sync_every:
+        assert config.momentum_masking is not None
 
 
 def test_methods_are_built_from_the_library_options():

@@ -164,19 +164,19 @@ def test_momentum_masking_is_named(bad):
 
 def test_default_masking_follows_recurrent_whole():
     """``momentum_masking`` defaults to ``"none"`` when recurrent layers are sent whole (what
-    converged on the GRU and LSTM translation models) and to DGC's ``"all"`` otherwise; an
+    converged on the GRU and LSTM translation models) and to ``"whole"`` otherwise; an
     explicit masking, in either form, is kept, and the resolved one survives a config round
     trip."""
     def masking(inner=None, **kwargs):
         return tfbs.BlockSparseOptimizer(inner or keras.optimizers.SGD(0.1, momentum=0.9),
                                          exchange="allgather", **kwargs)
 
-    assert masking().momentum_masking == "all"
-    assert masking(recurrent="compress").momentum_masking == "all"
+    assert masking().momentum_masking == "whole"
+    assert masking(recurrent="compress").momentum_masking == "whole"
     assert masking(recurrent="whole").momentum_masking == "none"
     assert masking(recurrent="whole", momentum_masking="auto").momentum_masking == "none"
-    assert masking(momentum_masking="auto").momentum_masking == "all"
-    for explicit in ("all", "waited", "none"):
+    assert masking(momentum_masking="auto").momentum_masking == "whole"
+    for explicit in ("all", "waited", "none", "compressed"):
         assert masking(recurrent="whole", momentum_masking=explicit).momentum_masking \
             == explicit
     assert masking(inner=keras.optimizers.SGD(0.1), recurrent="whole",

@@ -11,10 +11,11 @@ Maskings (which sent blocks are zeroed in the local momentum):
 
 ``"auto"`` (default)
     ``"none"`` with ``recurrent="whole"`` (a recurrent model whose recurrent layers are sent
-    whole every step), ``"all"`` otherwise: what converged best on each kind of model
+    whole every step), ``"whole"`` otherwise: what converged best on each kind of model
     (docs/optimizer.md).
 ``"all"``
-    DGC's factor masking: every sent block.
+    DGC's factor masking: every sent block (the default before ``"whole"``, and what a
+    saved optimizer without a masking in its config keeps).
 ``"none"``
     The momentum stays whole: every block receives momentum SGD's total update, only later
     (a block sent every step trains as plain momentum SGD, whereas ``"all"`` takes its
@@ -31,6 +32,12 @@ Maskings (which sent blocks are zeroed in the local momentum):
     The other half of ``"all"``: only the variables whose every block is sent every step are
     masked (plain SGD on them), while the compressed variables keep their momentum whole
     as with ``"none"``.
+
+Without ``recurrent="whole"`` the default masks only the variables sent whole: at k=1,
+trained to convergence (3 seeds each), it ended at most 0.14 points below dense on five
+models (two CNNs, a batch-normalised CNN, ResNet-20, a GRU translation model), where
+``"all"`` ended 0.36 points below dense on ResNet-20 and ``"none"`` 0.72 below on a small
+CNN (docs/optimizer.md).
 
 Variables sent whole count every block as sent, except recurrent layers' with
 ``recurrent="whole"``: no masking touches their momentum (momentum SGD on them), which is
@@ -115,7 +122,7 @@ class MomentumCorrection:
                 recurrent_whole: bool = False) -> MomentumCorrection | None:
         """The policy for ``inner``; ``"auto"`` becomes a factor or ``None``, and an
         ``"auto"`` masking ``"none"`` where ``recurrent_whole`` (the compression options'
-        ``recurrent="whole"``), else ``"all"``.
+        ``recurrent="whole"``), else ``"whole"``.
 
         A momentum of ``"auto"``: with a sparse exchange and an inner ``SGD(momentum=m)``
         (not Nesterov), ``m`` is moved before the exchange and the inner SGD's momentum set
@@ -129,7 +136,7 @@ class MomentumCorrection:
         inner_m = float(getattr(inner, "momentum", 0.0) or 0.0)
         masking = self.masking
         if masking == AUTO:
-            masking = "none" if recurrent_whole else "all"
+            masking = "none" if recurrent_whole else "whole"
         if self.momentum != AUTO:
             if self.momentum and inner_m:
                 raise ValueError(f"`momentum_correction` keeps the momentum per replica "
@@ -165,7 +172,9 @@ class MomentumCorrection:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> MomentumCorrection:
-        return cls(**config)
+        """The policy of :meth:`get_config`'s dict; one without ``masking`` (written before
+        maskings were selectable) keeps DGC's ``"all"``, the masking it was saved with."""
+        return cls(**{"masking": "all", **config})
 
 
 def sends_every_block(ids: tf.Tensor, layout: BlockLayout) -> bool:

@@ -136,9 +136,10 @@ def config_arguments(config: Mapping[str, Any]) -> dict[str, Any]:
     config = dict(config)
     if "compression" not in config:
         # The flat layout holds the options as keys, and the behaviour the file was saved
-        # with: no key means global momentum and every variable compressed.
+        # with: no key means global momentum, every variable compressed, DGC's masking.
         config.setdefault("momentum_correction", None)
         config.setdefault("dense_below", 0)
+        config.setdefault("momentum_masking", "all")
     elif isinstance(config["compression"], Mapping):
         config["compression"] = CompressionOptions.from_config(config["compression"])
     if isinstance(config.get("momentum_correction"), Mapping):
