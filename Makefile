@@ -222,6 +222,17 @@ bench-full: venv data
 			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
 			--out=runs/r20_wall30_rep && \
 		cp runs/r20_wall30_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_resnet20_30_epochs.json && \
+		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt,resnet20,vgg_fc \
+			--bandwidths_mbit=100,1000 \
+			--methods=dense,block_default_maskwhole,block_auto_maskwhole \
+			--convergence=$(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
+			--out=runs/wall_mw && \
+		cp runs/wall_mw/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole.json && \
+		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
+			--methods=dense,block_default_maskwhole,block_auto_maskwhole --timing_repeats=3 \
+			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
+			--out=runs/wall_mw_r20rep && \
+		cp runs/wall_mw_r20rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_resnet20_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
 			--methods=dense,block_auto_default --timing_repeats=3 \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \
