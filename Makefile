@@ -228,6 +228,11 @@ bench-full: venv data
 			--convergence=$(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
 			--check=cnn_small:100:block_default_maskwhole:0 --out=runs/wall_mw && \
 		cp runs/wall_mw/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole.json && \
+		$(PY) -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=100,1000 \
+			--methods=dense,block_default_maskwhole,block_auto_maskwhole --timing_steps=234 \
+			--convergence=$(BENCH)/convergence.json \
+			--check=cnn_small:100:block_default_maskwhole:0 --out=runs/wall_mw_cnn && \
+		cp runs/wall_mw_cnn/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_cnn_small.json && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default_maskwhole,block_auto_maskwhole --timing_repeats=3 \
 			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
