@@ -45,6 +45,9 @@ METHODS: dict[str, MethodSpec] = {
     # embeddings, 83% of its default payload when sent whole).
     "block_dense_below_512": Method(CompressionOptions(exchange="allgather", dense_below=512),
                                     momentum_masking=_DGC),
+    # The same with today's default masking.
+    "block_dense_below_512_maskwhole": Method(
+        CompressionOptions(exchange="allgather", dense_below=512), momentum_masking="whole"),
     # The default with recurrent layers' variables sent whole every step (k=1 on the rest):
     # what compressing a GRU / LSTM model can save without error feedback's delay on them.
     # DGC's masking stated: it was the default masking when the results were made, and
@@ -131,6 +134,7 @@ DEMO_METHODS = {"dense": "dense", "block default": "block_auto_maskwhole",
                 "block k=1": "block_default_maskwhole", "block literal": "block_source"}
 #: The methods ``launch.bench_convergence`` may run, in its table's order.
 CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
+                       "block_dense_below_512_maskwhole",
                        "block_recurrent_whole", "block_recurrent_whole_nomask",
                        "block_default_waited", "block_default_nomask", "block_default_maskcomp",
                        "block_default_maskwhole",

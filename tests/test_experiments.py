@@ -28,6 +28,8 @@ COMMAND_LINES = {
     "block_default": ("--compression=block", "--exchange=allgather", "--momentum_masking=all"),
     "block_dense_below_512": ("--compression=block", "--exchange=allgather",
                               "--dense_below=512", "--momentum_masking=all"),
+    "block_dense_below_512_maskwhole": ("--compression=block", "--exchange=allgather",
+                                        "--dense_below=512", "--momentum_masking=whole"),
     "block_recurrent_whole": ("--compression=block", "--exchange=allgather",
                               "--momentum_masking=all", "--recurrent=whole"),
     "block_recurrent_whole_nomask": ("--compression=block", "--exchange=allgather",
