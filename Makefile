@@ -141,6 +141,8 @@ bench-full: venv data
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_dense_below_512
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole
+	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 \
+		--methods=block_dense_below_512_maskwhole
 	$(CONVERGE) --models=lstm_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=gru_nmt,lstm_nmt --epochs=20 --seeds=0,1,2 --methods=block_recurrent_whole
 	$(CONVERGE) --models=gru_nmt,lstm_nmt --epochs=20 --seeds=0,1,2 \
