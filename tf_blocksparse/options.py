@@ -44,6 +44,9 @@ GRANULARITIES = ("block", "element")
 NONFINITE = ("skip", "apply")
 #: Which sent blocks momentum correction zeroes in the local momentum.
 MASKINGS = ("all", "waited", "none", "compressed", "whole")
+#: The masking of a saved optimizer config that names none: DGC's, the only one when such
+#: configs were written.
+SAVED_MASKING = "all"
 #: How the all-gather exchange sends selected block values: their own dtype, bfloat16, or
 #: 8 / 4-bit integers with a float32 scale per block (:mod:`tf_blocksparse.quantize`).
 QUANTIZATIONS = ("none", "bfloat16", "int8", "int4")

@@ -61,7 +61,7 @@ from tf_blocksparse import selection
 from tf_blocksparse.blocks import BlockLayout
 from tf_blocksparse.checks import check_choice
 from tf_blocksparse.keras import inner_optimizer as inner_lib
-from tf_blocksparse.options import AUTO, MASKINGS
+from tf_blocksparse.options import AUTO, MASKINGS, SAVED_MASKING
 
 __all__ = ["MomentumCorrection", "mask_sent", "sends_every_block"]
 
@@ -174,7 +174,7 @@ class MomentumCorrection:
     def from_config(cls, config: Mapping[str, Any]) -> MomentumCorrection:
         """The policy of :meth:`get_config`'s dict; one without ``masking`` (written before
         maskings were selectable) keeps DGC's ``"all"``, the masking it was saved with."""
-        return cls(**{"masking": "all", **config})
+        return cls(**{"masking": SAVED_MASKING, **config})
 
 
 def sends_every_block(ids: tf.Tensor, layout: BlockLayout) -> bool:

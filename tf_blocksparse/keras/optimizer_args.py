@@ -25,6 +25,7 @@ from tf_blocksparse.options import (
     DEFAULT_DENSE_BELOW,
     NONFINITE,
     OPTION_NAMES,
+    SAVED_MASKING,
     CompressionOptions,
     option_view,
     options_from,
@@ -139,7 +140,7 @@ def config_arguments(config: Mapping[str, Any]) -> dict[str, Any]:
         # with: no key means global momentum, every variable compressed, DGC's masking.
         config.setdefault("momentum_correction", None)
         config.setdefault("dense_below", 0)
-        config.setdefault("momentum_masking", "all")
+        config.setdefault("momentum_masking", SAVED_MASKING)
     elif isinstance(config["compression"], Mapping):
         config["compression"] = CompressionOptions.from_config(config["compression"])
     if isinstance(config.get("momentum_correction"), Mapping):
