@@ -111,6 +111,17 @@ def test_a_config_without_a_masking_keeps_dgc_masking():
     assert tfbs.BlockSparseOptimizer.from_config(composed).momentum_masking == "all"
 
 
+@pytest.mark.parametrize("saved, masking", [(True, "all"), (False, "none")])
+def test_a_flat_config_with_an_on_off_masking_keeps_it(saved, masking):
+    """Flat configs written when the masking was a bool load with the masking they ran:
+    on was DGC's ``"all"``, off kept the momentum whole (``"none"``)."""
+    flat = _flat_config(inner=keras.saving.serialize_keras_object(keras.optimizers.SGD(0.05)),
+                        momentum_correction=0.9, momentum_masking=saved)
+    old = tfbs.BlockSparseOptimizer.from_config(flat)
+    assert old.momentum_masking == masking
+    assert old.get_config()["momentum_correction"] == {"momentum": 0.9, "masking": masking}
+
+
 def test_flat_config_round_trips_into_the_composed_form():
     old = tfbs.BlockSparseOptimizer.from_config(_flat_config(
         inner=keras.saving.serialize_keras_object(keras.optimizers.SGD(0.05)), k=None,

@@ -141,6 +141,9 @@ def config_arguments(config: Mapping[str, Any]) -> dict[str, Any]:
         config.setdefault("momentum_correction", None)
         config.setdefault("dense_below", 0)
         config.setdefault("momentum_masking", SAVED_MASKING)
+        if isinstance(config["momentum_masking"], bool):
+            # Files from when the masking was on or off: on was DGC's masking.
+            config["momentum_masking"] = SAVED_MASKING if config["momentum_masking"] else "none"
     elif isinstance(config["compression"], Mapping):
         config["compression"] = CompressionOptions.from_config(config["compression"])
     if isinstance(config.get("momentum_correction"), Mapping):
