@@ -36,6 +36,10 @@ METHODS: dict[str, MethodSpec] = {
     # The same with today's default masking: the one-line default as it is now.
     "block_auto_maskwhole": Method(CompressionOptions(), momentum_masking="whole",
                                    stated=frozenset({"exchange"})),
+    # The one-line default with the local momentum never masked (residual networks with
+    # BatchNorm: ResNet-20 ends level with dense and reaches its target sooner).
+    "block_auto_nomask": Method(CompressionOptions(), momentum_masking="none",
+                                stated=frozenset({"exchange"})),
     # The default compression, always applied, with DGC's masking:
     # BlockSparseOptimizer(SGD(lr, momentum=0.9), exchange="allgather"): k=1, momentum before
     # the exchange (DGC correction), variables under 1,024 elements sent whole (the one-line

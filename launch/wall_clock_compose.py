@@ -19,6 +19,7 @@ from launch.convergence_curves import epochs_to_target
 AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_default"},
                "block_auto_maskwhole": {"dense": "dense",
                                         "allgather": "block_default_maskwhole"},
+               "block_auto_nomask": {"dense": "dense", "allgather": "block_default_nomask"},
                "local_auto": {"dense": "local_average", "allgather": "local_block"}}
 
 

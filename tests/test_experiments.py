@@ -25,6 +25,7 @@ COMMAND_LINES = {
     "block_auto_default": ("--compression=block", "--exchange=auto", "--momentum_masking=all"),
     "block_auto_maskwhole": ("--compression=block", "--exchange=auto",
                              "--momentum_masking=whole"),
+    "block_auto_nomask": ("--compression=block", "--exchange=auto", "--momentum_masking=none"),
     "block_default": ("--compression=block", "--exchange=allgather", "--momentum_masking=all"),
     "block_dense_below_512": ("--compression=block", "--exchange=allgather",
                               "--dense_below=512", "--momentum_masking=all"),
