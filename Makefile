@@ -247,6 +247,10 @@ bench-full: venv data
 			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
 			--out=runs/wall_nomask && \
 		cp runs/wall_nomask/time_to_accuracy.json $(BENCH)/time_to_accuracy_nomask_resnet20_repeats.json && \
+		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=100,1000 \
+			--methods=dense,block_auto_maskwhole --timing_repeats=5 \
+			--convergence=$(BENCH)/convergence.json --out=runs/wall_gru_rep && \
+		cp runs/wall_gru_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_gru_nmt_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
 			--methods=dense,block_auto_default --timing_repeats=3 \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \
