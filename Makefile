@@ -245,7 +245,7 @@ bench-full: venv data
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default_nomask,block_auto_nomask --timing_repeats=3 \
 			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
-			--out=runs/wall_nomask && \
+			--check=resnet20:100:block_default_nomask:0 --out=runs/wall_nomask && \
 		cp runs/wall_nomask/time_to_accuracy.json $(BENCH)/time_to_accuracy_nomask_resnet20_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=100,1000 \
 			--methods=dense,block_auto_maskwhole --timing_repeats=5 \
