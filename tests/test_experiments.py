@@ -43,6 +43,8 @@ COMMAND_LINES = {
                                "--momentum_masking=compressed"),
     "block_default_maskwhole": ("--compression=block", "--exchange=allgather",
                                 "--momentum_masking=whole"),
+    "block_shared_maskwhole": ("--compression=block", "--exchange=shared",
+                               "--momentum_masking=whole"),
     "block_default_dgc_warmup": ("--compression=block", "--exchange=allgather",
                                  "--momentum_masking=all",
                                  "--density_warmup=0.25,0.0625,0.015625,0.004"),
