@@ -140,6 +140,7 @@ bench-full: venv data
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 \
 		--methods=block_dense_below_512_maskwhole
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=block_shared_maskwhole
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_dense_below_512
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole
@@ -189,6 +190,8 @@ bench-full: venv data
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_nomask \
 		--out=runs/r20_30ep
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_maskwhole \
+		--out=runs/r20_30ep
+	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0 --methods=block_dense_below_512_maskwhole \
 		--out=runs/r20_30ep
 	cp runs/r20_30ep/convergence.json $(BENCH)/convergence_resnet20_30_epochs.json
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default --warmup_epochs=1 \
