@@ -52,6 +52,27 @@ def test_compose_gives_per_seed_speedups_against_that_seeds_dense():
     assert row["reached"] == 1 and row["wall_speedup_vs_dense"]["n"] == 1
 
 
+def test_each_automatic_method_takes_the_curves_of_itself_pinned():
+    """``AUTO_CURVES`` is written by hand: for the automatic exchange without local steps,
+    its ``allgather`` curves are those of the same method with the exchange pinned, and its
+    dense curves dense's, so a new entry cannot borrow another masking's curves."""
+    import dataclasses
+
+    from launch.methods import METHODS
+
+    checked = 0
+    for auto, curves in wc.AUTO_CURVES.items():
+        method = METHODS[auto]
+        if method.sync_every:
+            continue  # local steps: dense mode is model averaging (the test below)
+        pinned = dataclasses.replace(method, options=method.options.replace(
+            exchange="allgather"), stated=frozenset())
+        assert pinned == dataclasses.replace(METHODS[curves["allgather"]], stated=frozenset())
+        assert curves["dense"] == "dense"
+        checked += 1
+    assert checked >= 3
+
+
 def test_the_automatic_exchange_takes_the_curves_of_the_mode_it_chose():
     assert wc.curves_of("block_default", {}) == "block_default"
     assert wc.curves_of("block_auto_default", {"auto_modes": ["dense"]}) == "dense"
