@@ -126,6 +126,8 @@ CONVERGE = $(PY) -m launch.bench_convergence --strategy=mirrored --num_workers=4
 # The converged curves of every model: vgg_fc's and ResNet-20's from their 20-epoch budgets.
 CURVES = $(BENCH)/convergence.json,vgg_fc=$(BENCH)/convergence_vgg_fc_20_epochs.json,$\
 	resnet20=$(BENCH)/convergence_resnet20_20_epochs.json
+# The same with ResNet-20's converged 30-epoch budget (its wall-clock files).
+CURVES_R20_30 = $(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json
 bench-full: venv data
 	$(PY) -m launch.project_scaling --out=$(BENCH)/scaling.json
 	$(PY) -m launch.demo --out=runs/demo
@@ -226,7 +228,7 @@ bench-full: venv data
 		cp runs/r20_wall_rep/time_to_accuracy.json runs/r20_wall30_rep/ && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default,block_auto_default --timing_repeats=3 \
-			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
+			--convergence=$(CURVES_R20_30) \
 			--out=runs/r20_wall30_rep && \
 		cp runs/r20_wall30_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_resnet20_30_epochs.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt,resnet20,vgg_fc \
@@ -242,12 +244,12 @@ bench-full: venv data
 		cp runs/wall_mw_cnn/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_cnn_small.json && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default_maskwhole,block_auto_maskwhole --timing_repeats=3 \
-			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
+			--convergence=$(CURVES_R20_30) \
 			--out=runs/wall_mw_r20rep && \
 		cp runs/wall_mw_r20rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_resnet20_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default_nomask,block_auto_nomask --timing_repeats=3 \
-			--convergence=$(BENCH)/convergence.json,resnet20=$(BENCH)/convergence_resnet20_30_epochs.json \
+			--convergence=$(CURVES_R20_30) \
 			--check=resnet20:100:block_default_nomask:0 --out=runs/wall_nomask && \
 		cp runs/wall_nomask/time_to_accuracy.json $(BENCH)/time_to_accuracy_nomask_resnet20_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=100,1000 \
