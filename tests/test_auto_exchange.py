@@ -1,6 +1,7 @@
 """exchange="auto" in BlockSparseOptimizer on two real MirroredStrategy replicas, and the
 dense exchange's residual flush against a NumPy reference."""
 
+import collections
 import functools
 import types
 import warnings
@@ -476,6 +477,48 @@ def test_one_sparse_mode_everywhere_is_that_exchange_bit_for_bit(mirrored2, mode
     assert len(opt.exchange_chooser.groups) >= 2  # merged into one unit, in variable order
     for a, b in zip(auto.get_weights(), fixed.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def _step_op_types(strategy, exchange, modes=None, **kwargs):
+    """The op types of one traced training step of :func:`_momentum_fit`'s model (the
+    step's graph and the functions it calls), counted; ``modes`` forces every group's
+    mode after the build."""
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(4)])
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                        exchange=exchange, **kwargs)
+        opt.build(model.trainable_variables)
+    if modes is not None:
+        opt.exchange_chooser.set_modes([modes] * len(opt.exchange_chooser.groups))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def train(x, y):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True)) / strategy.num_replicas_in_sync
+            opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        strategy.run(step, args=(x, y))
+
+    y = (X[:16, 0] > 0).astype("int32")
+    graph = train.get_concrete_function(tf.constant(X[:16]), tf.constant(y)).graph
+    ops = collections.Counter(op.type for op in graph.get_operations())
+    for function in graph.as_graph_def().library.function:
+        ops.update(node.op for node in function.node_def)
+    return ops
+
+
+@pytest.mark.parametrize("mode", ["dense", "allgather"])
+def test_a_decided_auto_step_runs_the_fixed_exchanges_ops(mirrored2, mode):
+    """Once decided, the automatic exchange adds no op to the step: its per-step cost is the
+    chosen exchange's (a step it sends dense is ``exchange="dense"``'s graph)."""
+    fixed = _step_op_types(mirrored2, mode, density=0.1, dense_below=0)
+    auto = _step_op_types(mirrored2, "auto", modes=mode, density=0.1, dense_below=0,
+                          fusion_buffer_bytes=512)
+    assert sum(fixed.values()) > 100 and (mode == "dense") == ("CollectiveGatherV2" not in auto)
+    assert auto == fixed
 
 
 def test_momentum_moves_with_a_group_between_dense_and_sparse(mirrored2):
