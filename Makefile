@@ -211,7 +211,7 @@ bench-full: venv data
 			--methods=dense,block_default,block_auto_default \
 			--convergence=$(CURVES) --out=$(BENCH) && \
 		$(PY) -m launch.bench_wall_clock --models=gru_nmt,lstm_nmt --bandwidths_mbit=30,300 \
-			--methods=dense,block_auto_default --timing_repeats=5 \
+			--methods=dense,block_auto_default --timing_repeats=5 --timing_order=turns \
 			--convergence=$(CURVES) --out=runs/wall_rep_rnn && \
 		cp runs/wall_rep_rnn/time_to_accuracy.json $(BENCH)/time_to_accuracy_recurrent.json && \
 		$(PY) -m launch.bench_wall_clock --models=vgg_fc --bandwidths_mbit=100,1000 \
@@ -221,13 +221,13 @@ bench-full: venv data
 			--methods=dense,block_default,block_auto_default --out=$(BENCH) \
 			--convergence=$(CURVES) && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
-			--methods=dense,block_default,block_auto_default --timing_repeats=3 \
+			--methods=dense,block_default,block_auto_default --timing_repeats=3 --timing_order=turns \
 			--convergence=$(CURVES) --out=runs/r20_wall_rep && \
 		cp runs/r20_wall_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_resnet20_repeats.json && \
 		mkdir -p runs/r20_wall30_rep && \
 		cp runs/r20_wall_rep/time_to_accuracy.json runs/r20_wall30_rep/ && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
-			--methods=dense,block_default,block_auto_default --timing_repeats=3 \
+			--methods=dense,block_default,block_auto_default --timing_repeats=3 --timing_order=turns \
 			--convergence=$(CURVES_R20_30) \
 			--out=runs/r20_wall30_rep && \
 		cp runs/r20_wall30_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_resnet20_30_epochs.json && \
@@ -243,21 +243,21 @@ bench-full: venv data
 			--check=cnn_small:100:block_default_maskwhole:0 --out=runs/wall_mw_cnn && \
 		cp runs/wall_mw_cnn/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_cnn_small.json && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
-			--methods=dense,block_default_maskwhole,block_auto_maskwhole --timing_repeats=3 \
+			--methods=dense,block_default_maskwhole,block_auto_maskwhole --timing_repeats=3 --timing_order=turns \
 			--convergence=$(CURVES_R20_30) \
 			--out=runs/wall_mw_r20rep && \
 		cp runs/wall_mw_r20rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_resnet20_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
-			--methods=dense,block_default_nomask,block_auto_nomask --timing_repeats=3 \
+			--methods=dense,block_default_nomask,block_auto_nomask --timing_repeats=3 --timing_order=turns \
 			--convergence=$(CURVES_R20_30) \
 			--check=resnet20:100:block_default_nomask:0 --out=runs/wall_nomask && \
 		cp runs/wall_nomask/time_to_accuracy.json $(BENCH)/time_to_accuracy_nomask_resnet20_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=100,1000 \
-			--methods=dense,block_auto_maskwhole --timing_repeats=5 \
+			--methods=dense,block_auto_maskwhole --timing_repeats=5 --timing_order=turns \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_gru_rep && \
 		cp runs/wall_gru_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_gru_nmt_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
-			--methods=dense,block_auto_default --timing_repeats=3 \
+			--methods=dense,block_auto_default --timing_repeats=3 --timing_order=turns \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \
 		cp runs/wall_rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_repeats.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small --bandwidths_mbit=100,10 \
@@ -285,7 +285,7 @@ bench-full: venv data
 		cp runs/local_wall_10/time_to_accuracy.json $(BENCH)/local_steps_wall_clock_10mbit.json && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100 \
 			--methods=dense,block_default,local_dense,local_block --target_drop=0.005 \
-			--timing_steps=64 --timing_repeats=3 --convergence=$(CURVES) --out=runs/r20_local_rep && \
+			--timing_steps=64 --timing_repeats=3 --timing_order=turns --convergence=$(CURVES) --out=runs/r20_local_rep && \
 		cp runs/r20_local_rep/time_to_accuracy.json $(BENCH)/local_steps_wall_clock_resnet20_repeats.json; \
 	else echo "bench-full: backup and wall-clock benches skipped (need root for network namespaces)"; fi
 	$(PY) -m launch.local_steps_report --convergence=$(CURVES) \

@@ -17,9 +17,10 @@ one direct run:
    seconds times the full epoch's steps plus the measured rest of a steady epoch (evaluation,
    backup, waits); the one-time seconds are what the first epoch took beyond a steady one plus
    everything before it (process start, TensorFlow import, tracing, measuring).  With
-   ``--timing_repeats=R`` every method is timed R times, in turns (dense, block, ..., dense,
-   block, ...), so a slow spell of the machine hits every method alike; the composition takes
-   the median of each part over the repeats, and each repeat's parts are kept.
+   ``--timing_repeats=R`` every method is timed R times, in rounds (dense, block; block,
+   dense; dense, block; ...: every second round reversed, ``--timing_order``), so a slow
+   spell of the machine and the position in a round hit every method alike; the composition
+   takes the median of each part over the repeats, and each repeat's parts are kept.
 3. ``wall_s = one_time_s + epochs_to_target x epoch_wall_s``; ``train_s`` (the training-only
    clock) ``= epochs_to_target x epoch_train_s``.
 
@@ -49,6 +50,7 @@ from launch import flags as train_flags
 from launch.config import TrainConfig
 from launch.convergence_curves import PER_MODEL_BUDGET, epochs_to_target, load_convergence
 from launch.wall_clock_compose import (
+    TIMING_ORDERS,
     compose,
     curves_of_runs,
     epoch_parts,
@@ -78,8 +80,12 @@ def define_flags() -> None:
                          lower_bound=2)
     flags.DEFINE_integer("timing_epochs", 3, "Epochs of the timing runs.", lower_bound=2)
     flags.DEFINE_integer("timing_repeats", 1, "Timing runs per model x rate x method, taken "
-                         "in turns (every method once, then again); their median parts are "
+                         "in rounds (every method once, then again); their median parts are "
                          "composed.", lower_bound=1)
+    flags.DEFINE_enum("timing_order", "balanced", list(TIMING_ORDERS),
+                      "Order of the rounds: 'balanced' reverses every second round (A B, "
+                      "B A, ...) so a run's position cancels; 'turns' keeps one order (A B, "
+                      "A B, ...).")
     flags.DEFINE_float("density", 0.05, "Density of methods that take one.")
     flags.DEFINE_list("check", [], "MODEL:RATE:METHOD:SEED runs to train directly.")
     flags.DEFINE_boolean("resume", True, "Keep the timings and checks of OUT's file with "
@@ -122,6 +128,8 @@ def main(argv: list[str]) -> None:
              "convergence_budget": {k: v for k, v in budget.items() if k not in PER_MODEL_BUDGET}}
     if f.timing_repeats > 1:  # files of single timing runs keep their set-up
         setup["timing_repeats"] = f.timing_repeats
+        if f.timing_order != "turns":  # files timed in turns keep theirs
+            setup["timing_order"] = f.timing_order
     old, old_checks, prev_sources = {}, {}, {}
     if f.resume and os.path.exists(path):
         with open(path) as fh:
@@ -139,7 +147,8 @@ def main(argv: list[str]) -> None:
             runs.append(old[key])
     measured: dict[tuple, list[tuple[dict, dict]]] = {}
     full: dict[str, int] = {}
-    for key in timing_order([k for k in todo if k not in old], f.timing_repeats):
+    for key in timing_order([k for k in todo if k not in old], f.timing_repeats,
+                            f.timing_order):
         model, rate, method = key
         rec = experiments.run_training(
             method, _train_config(method, model, budgets[model], f.timing_epochs,

@@ -83,11 +83,29 @@ def _parts(step_s: float, epoch_other_s: float, one_time_s: float, eval_s: float
 _MEASURED = ("step_s", "epoch_other_s", "one_time_s", "eval_s", "backup_s")
 
 
-def timing_order(keys: list[tuple], repeats: int) -> list[tuple]:
+#: The orders :func:`timing_order` knows.
+TIMING_ORDERS = ("balanced", "turns")
+
+
+def timing_order(keys: list[tuple], repeats: int, order: str = "balanced") -> list[tuple]:
     """The timing runs of ``keys`` (model, rate, method) repeated ``repeats`` times, in
-    turns: every key once, then every key again, so that a slow spell of the machine falls
-    on every method alike rather than on one method's repeats."""
-    return [key for _ in range(repeats) for key in keys]
+    rounds: every key once per round, so that a slow spell of the machine falls on every
+    method alike rather than on one method's repeats.
+
+    ``"balanced"`` reverses every second round (A B, B A, A B, ...): over an even number of
+    rounds every key runs as often right after the others as right before them, so an effect
+    of a run's position (the previous cluster still shutting down, a drift of the machine's
+    speed within a round) cancels in the per-round ratios.  ``"turns"`` keeps one order in
+    every round (A B, A B, ...).
+
+    Raises:
+      ValueError: ``order`` is not one of :data:`TIMING_ORDERS`.
+    """
+    if order not in TIMING_ORDERS:
+        raise ValueError(f"`order` must be one of {TIMING_ORDERS}, got {order!r}")
+    rounds = [list(keys) if order == "turns" or r % 2 == 0 else list(reversed(keys))
+              for r in range(repeats)]
+    return [key for keys_of_round in rounds for key in keys_of_round]
 
 
 def median_parts(repeats: list[dict], full_steps: int) -> dict:

@@ -161,10 +161,20 @@ def test_run_configs_render_the_committed_runs_flags():
         assert {k: got[k] for k in recorded} == recorded, (model, method)
 
 
-def test_repeated_timing_runs_take_turns():
-    keys = [("m", 100.0, "dense"), ("m", 100.0, "block")]
+def test_repeated_timing_runs_take_turns_in_balanced_rounds():
+    keys = [("m", 100.0, "dense"), ("m", 100.0, "block"), ("m", 1000.0, "dense")]
     assert wc.timing_order(keys, 1) == keys
-    assert wc.timing_order(keys, 3) == keys * 3  # dense, block, dense, block, ...
+    # dense, block, ...; ..., block, dense; dense, block, ...
+    assert wc.timing_order(keys, 3) == keys + keys[::-1] + keys
+    assert wc.timing_order(keys, 3, "turns") == keys * 3
+    order = wc.timing_order(keys, 4)
+    for a in keys:  # over an even number of rounds each key precedes each other as often
+        for b in keys:
+            if a != b:
+                before = sum(order.index(a, 3 * r) < order.index(b, 3 * r) for r in range(4))
+                assert before == 2
+    with pytest.raises(ValueError, match="`order`"):
+        wc.timing_order(keys, 2, "random")
 
 
 def test_repeated_timing_runs_compose_their_median_parts():
