@@ -15,10 +15,12 @@ from launch import experiments
 from launch.convergence_curves import epochs_to_target
 
 #: The automatic exchange's curve at a rate is that of the mode it chose there: all groups
-#: dense -> dense's, all sparse -> the same compression always applied.
+#: dense -> dense's, all sparse -> the same compression always applied in that mode (where a
+#: mode has no converged curves of its own, a timing that chose it is not composed).
 AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_default"},
                "block_auto_maskwhole": {"dense": "dense",
-                                        "allgather": "block_default_maskwhole"},
+                                        "allgather": "block_default_maskwhole",
+                                        "shared": "block_shared_maskwhole"},
                "block_auto_nomask": {"dense": "dense", "allgather": "block_default_nomask"},
                "local_auto": {"dense": "local_average", "allgather": "local_block"}}
 
