@@ -408,11 +408,11 @@ def test_one_group_out_of_variable_order_is_scattered_back_by_position():
     np.testing.assert_array_equal(r.updates[0].numpy(), [1.0, 2.0])
 
 
-def _momentum_fit(strategy, exchange, epochs, modes=None, remodes=None, inner_momentum=0.9,
-                  callbacks=(), **kwargs):
-    """Dense(64, relu) + Dense(4) under SGD(0.05, momentum=inner_momentum), 2 steps per
-    epoch; ``modes`` forces every group's mode after the build, ``remodes`` for one more
-    epoch."""
+def _momentum_model(strategy, exchange, modes=None, build=False, inner_momentum=0.9,
+                    **kwargs):
+    """Dense(64, relu) + Dense(4) compiled with SGD(0.05, momentum=inner_momentum) under the
+    wrapper; built when ``build`` or ``modes`` (which then forces every group's mode).
+    Returns the model and the optimizer."""
     with strategy.scope():
         keras.utils.set_random_seed(3)
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(64, activation="relu"),
@@ -420,11 +420,21 @@ def _momentum_fit(strategy, exchange, epochs, modes=None, remodes=None, inner_mo
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=inner_momentum),
                                         exchange=exchange, **kwargs)
         model.compile(opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    y = (X[:, 0] > 0).astype("int32")
-    if modes is not None:
+    if build or modes is not None:
         with strategy.scope():
             opt.build(model.trainable_variables)
+    if modes is not None:
         opt.exchange_chooser.set_modes([modes] * len(opt.exchange_chooser.groups))
+    return model, opt
+
+
+def _momentum_fit(strategy, exchange, epochs, modes=None, remodes=None, inner_momentum=0.9,
+                  callbacks=(), **kwargs):
+    """:func:`_momentum_model` trained 2 steps per epoch; ``modes`` forces every group's
+    mode after the build, ``remodes`` for one more epoch."""
+    model, opt = _momentum_model(strategy, exchange, modes, inner_momentum=inner_momentum,
+                                 **kwargs)
+    y = (X[:, 0] > 0).astype("int32")
     fit_in_order(model, X, y, 16, epochs, callbacks=list(callbacks))
     if remodes is not None:
         opt.exchange_chooser.set_modes([remodes] * len(opt.exchange_chooser.groups))
@@ -480,18 +490,9 @@ def test_one_sparse_mode_everywhere_is_that_exchange_bit_for_bit(mirrored2, mode
 
 
 def _step_op_types(strategy, exchange, modes=None, **kwargs):
-    """The op types of one traced training step of :func:`_momentum_fit`'s model (the
-    step's graph and the functions it calls), counted; ``modes`` forces every group's
-    mode after the build."""
-    with strategy.scope():
-        keras.utils.set_random_seed(3)
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(4)])
-        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
-                                        exchange=exchange, **kwargs)
-        opt.build(model.trainable_variables)
-    if modes is not None:
-        opt.exchange_chooser.set_modes([modes] * len(opt.exchange_chooser.groups))
+    """The op types of one traced training step of :func:`_momentum_model` (the step's
+    graph and the functions it calls), counted; ``modes`` forces every group's mode."""
+    model, opt = _momentum_model(strategy, exchange, modes, build=True, **kwargs)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
