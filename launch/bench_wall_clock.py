@@ -54,6 +54,7 @@ from launch.wall_clock_compose import (
     compose,
     curves_of_runs,
     epoch_parts,
+    kept_checks,
     median_parts,
     timing_order,
 )
@@ -194,11 +195,8 @@ def main(argv: list[str]) -> None:
     records, summary, targets = compose(curves, timings, models,
                                         sorted({k[1] for k in timings}), methods,
                                         f.target_drop)
-    checks = [old_checks[entry] if entry in old_checks and
-              old_checks[entry]["target"] == targets.get(entry.split(":")[0])
-              else _check(entry, curves, timings, targets, budgets, f) for entry in f.check]
-    checks += [c for entry, c in old_checks.items()  # earlier checks at the same targets
-               if entry not in f.check and c["target"] == targets.get(entry.split(":")[0])]
+    checks = kept_checks(f.check, old_checks, targets,
+                         lambda entry: _check(entry, curves, timings, targets, budgets, f))
     known = {m: {"file": p, "epochs": budgets[m]["epochs"][m]} for m, p in files.items()
              if m in targets}
     for model, entry in prev_sources.items():  # models composed by earlier runs of the bench

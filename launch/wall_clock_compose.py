@@ -10,6 +10,7 @@ timing runs on the shaped cluster (the bench's docstring says how they are measu
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 from launch import experiments
 from launch.convergence_curves import epochs_to_target
@@ -198,3 +199,28 @@ def _round_ratios(dense: dict, parts: dict) -> dict:
         return {}
     return {"epoch_wall_ratio_vs_dense_per_round":
             experiments.spread([x / y for x, y in zip(a, b)], 3)}
+
+
+def kept_checks(requested: list[str], old: dict[str, dict], targets: dict[str, float],
+                run: Callable[[str], dict]) -> list[dict]:
+    """The direct-run checks of a wall-clock file: ``requested`` ones, then earlier ones.
+
+    A requested check (``MODEL:RATE:METHOD:SEED``) is kept from ``old`` when it was made at
+    its model's current target, else ``run`` makes it again.  An earlier check not
+    requested again stays whatever the target is now: it compares the composition with a
+    direct run at the target it records, which a later change of the curves does not
+    alter.
+
+    Args:
+      requested: The check entries asked for now.
+      old: The earlier file's checks by entry.
+      targets: The current target per model.
+      run: Makes one check from its entry.
+
+    Returns:
+      The checks, requested ones first.
+    """
+    checks = [old[entry] if entry in old and
+              old[entry]["target"] == targets.get(entry.split(":")[0]) else run(entry)
+              for entry in requested]
+    return checks + [c for entry, c in old.items() if entry not in requested]

@@ -212,3 +212,21 @@ def test_repeated_timings_report_the_per_round_ratio_to_dense():
     single = wc.compose(curves, {("m", 100.0, "dense"): base, ("m", 100.0, "block"): base},
                         ["m"], [100.0], ["dense", "block"], 0.003)[1]
     assert all("epoch_wall_ratio_vs_dense_per_round" not in r for r in single)
+
+
+def test_checks_are_remade_at_a_new_target_and_earlier_ones_stay():
+    made = []
+
+    def run(entry):
+        made.append(entry)
+        return {"run": entry, "target": 0.9}
+
+    old = {"m:100:block:0": {"run": "m:100:block:0", "target": 0.8},
+           "n:100:block:0": {"run": "n:100:block:0", "target": 0.7}}
+    same = wc.kept_checks(["m:100:block:0"], old, {"m": 0.8, "n": 0.75}, run)
+    assert same == [old["m:100:block:0"], old["n:100:block:0"]] and made == []
+    moved = wc.kept_checks(["m:100:block:0"], old, {"m": 0.9, "n": 0.75}, run)
+    # the requested one is made again at its new target; the other keeps its own
+    assert moved == [{"run": "m:100:block:0", "target": 0.9}, old["n:100:block:0"]]
+    assert made == ["m:100:block:0"]
+    assert wc.kept_checks([], {}, {}, run) == []
