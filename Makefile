@@ -251,6 +251,10 @@ bench-full: venv data
 			--convergence=$(CURVES_R20_30) \
 			--out=runs/wall_mw_r20rep && \
 		cp runs/wall_mw_r20rep/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_resnet20_repeats.json && \
+		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100 \
+			--methods=dense,block_auto_maskwhole --timing_repeats=4 \
+			--convergence=$(CURVES_R20_30) --out=runs/wall_r20_bal && \
+		cp runs/wall_r20_bal/time_to_accuracy.json $(BENCH)/time_to_accuracy_maskwhole_resnet20_balanced.json && \
 		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=100,1000 \
 			--methods=dense,block_default_nomask,block_auto_nomask --timing_repeats=3 --timing_order=turns \
 			--convergence=$(CURVES_R20_30) \
