@@ -191,7 +191,7 @@ bench-full: venv data
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --out=runs/r20_30ep
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_dgc_warmup \
 		--out=runs/r20_30ep
-	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_nomask \
+	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2,3 --methods=block_default_nomask \
 		--out=runs/r20_30ep
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_maskwhole \
 		--out=runs/r20_30ep
