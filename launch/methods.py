@@ -76,6 +76,10 @@ METHODS: dict[str, MethodSpec] = {
     # default masking since; stated, as the results record it).
     "block_default_maskwhole": Method(CompressionOptions(exchange="allgather"),
                                       momentum_masking="whole"),
+    # The same with the normalisation layers' scales and offsets keeping their momentum
+    # (the other variables sent whole masked): "whole" on a model without normalisation.
+    "block_default_masknorm": Method(CompressionOptions(exchange="allgather"),
+                                     momentum_masking="whole_except_norm"),
     # The same with the shared exchange (replicas sum their block scores and all send the
     # top blocks of the sum), the other sparse mode the automatic exchange may choose.
     "block_shared_maskwhole": Method(CompressionOptions(exchange="shared"),
@@ -145,7 +149,8 @@ CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
                        "block_dense_below_512_maskwhole",
                        "block_recurrent_whole", "block_recurrent_whole_nomask",
                        "block_default_waited", "block_default_nomask", "block_default_maskcomp",
-                       "block_default_maskwhole", "block_shared_maskwhole",
+                       "block_default_maskwhole", "block_default_masknorm",
+                       "block_shared_maskwhole",
                        "block_default_dgc_warmup", "block_allgather",
                        "block_source", "block_k1_dgc", "block_k1_waited", "topk_1pct",
                        "local_dense", "local_average", "local_block", "local_block_20pct",

@@ -108,6 +108,13 @@ def np_zero_blocks(x: np.ndarray, layout: Any, ids: np.ndarray) -> np.ndarray:
     return v.reshape(_shape(layout))
 
 
+def np_is_normalization(layout: Any) -> bool:
+    """True for a normalisation layer's scale or offset (the layer class the layout was
+    found under; the reference's own list)."""
+    return layout.layer_class in ("BatchNormalization", "LayerNormalization",
+                                  "GroupNormalization")
+
+
 def np_is_whole(layout: Any, dense_below: int) -> bool:
     """True when the variable has fewer than ``dense_below`` elements (sent whole)."""
     return math.prod(_shape(layout)) < dense_below
@@ -233,7 +240,8 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
     exchange in place of ``g``; ``masking="all"`` zeroes the blocks a replica sent in its
     ``u`` too, ``"waited"`` only those whose residual block was non-zero before the step,
     ``"none"`` none, ``"compressed"`` the sent blocks of variables that do not send every
-    block each step, ``"whole"`` only those of variables that do.  Variables sent whole
+    block each step, ``"whole"`` only those of variables that do, ``"whole_except_norm"``
+    those of ``"whole"`` that are no normalisation layer's scale or offset.  Variables sent whole
     (``dense_below``) count every block as sent.
 
     Returns:
@@ -252,9 +260,11 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                             dtype=np.int64)
                  for ids, lay, r in zip(ids_r, layouts, rs_r)]
                 for ids_r, rs_r in zip(sent, residuals_per_replica)]
-    if masking in ("compressed", "whole"):  # masks only the variables not / only sent whole
-        every = masking == "whole"
+    if masking in ("compressed", "whole", "whole_except_norm"):
+        # masks only the variables not / only sent whole (but no normalisation layer's)
+        every = masking != "compressed"
         sent = [[ids if (len(ids) >= _view_shape(lay)[1]) == every
+                 and not (masking == "whole_except_norm" and np_is_normalization(lay))
                  else np.asarray([], dtype=np.int64) for ids, lay in zip(ids_r, layouts)]
                 for ids_r in sent]
     velocities = [[np_zero_blocks(u, lay, ids) for u, lay, ids in zip(us_r, layouts, ids_r)]

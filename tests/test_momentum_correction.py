@@ -73,7 +73,8 @@ def _reference_once(n, mode, k, density, granularity, masking, dense_below):
     ("shared", {"k": 1, "dense_below": 100, "masking": "waited"}),
     ("allgather", {"k": 1, "dense_below": 100, "masking": "compressed"}),
     ("shared", {"k": 3, "masking": "compressed"}),
-    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole"})])
+    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole"}),
+    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole_except_norm"})])
 def test_matches_numpy_reference(mirrored2, mode, kwargs):
     masking = kwargs.pop("masking", "all")
     dense_below = kwargs.pop("dense_below", 0)  # 0: every variable compressed
@@ -220,3 +221,74 @@ def test_compressed_and_whole_maskings_split_dgc_masking(lays, data):
         np.testing.assert_array_equal((whole if flag else comp)[i].numpy(),
                                       got_all[i].numpy())
     assert all(a is b for a, b in zip(policy["none"].mask(us, lays, sent, None), us))
+
+
+@given(lays=st.lists(test_selection.layouts(max_rank=3), min_size=1, max_size=4),
+       data=st.data())
+@settings(max_examples=30, deadline=None)
+def test_whole_except_norm_keeps_normalisation_momentum(lays, data):
+    """``"whole_except_norm"`` is ``"whole"`` on every variable that is no normalisation
+    layer's, and leaves the normalisation layers' momenta bit-exact (NumPy reference:
+    the reference's zeroing of the blocks ``"whole"`` masks, on the other variables)."""
+    classes = (None, "Dense", "Conv2D", "BatchNormalization", "LayerNormalization",
+               "GroupNormalization")
+    lays = [dataclasses.replace(lay, layer_class=data.draw(st.sampled_from(classes)))
+            for lay in lays]
+    us = [tf.constant(test_selection._data(data.draw(st.integers(0, 2**16)), lay.shape))
+          for lay in lays]
+    sent = []
+    for lay in lays:
+        count = data.draw(st.sampled_from([None, *range(1, lay.num_blocks + 1)]))
+        sent.append(None if count is None else tf.constant(
+            sorted(data.draw(st.permutations(range(lay.num_blocks)))[:count]), tf.int32))
+    got = tfbs.MomentumCorrection(0.9, masking="whole_except_norm").mask(us, lays, sent, None)
+    whole = tfbs.MomentumCorrection(0.9, masking="whole").mask(us, lays, sent, None)
+    for g, w, u, lay, ids in zip(got, whole, us, lays, sent):
+        norm = ref.np_is_normalization(lay)
+        assert lay.normalization == norm
+        every = ids is not None and int(ids.shape[0]) == lay.num_blocks
+        want = u.numpy() if norm or not every else ref.np_zero_blocks(
+            u.numpy(), lay, ids.numpy())
+        np.testing.assert_array_equal(g.numpy(), want)
+        if not norm:
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def _norm_model() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([
+        keras.Input((6, 6, 2)), keras.layers.Conv2D(4, 3, use_bias=False),
+        keras.layers.BatchNormalization(), keras.layers.ReLU(), keras.layers.Flatten(),
+        keras.layers.Dense(5, activation="tanh"), keras.layers.LayerNormalization(),
+        keras.layers.Dense(3)])
+
+
+def _one_step_velocities(strategy, masking):
+    """Replica 0's local momenta after one ``model.fit`` step of :func:`_norm_model` (k=1,
+    ``dense_below=40``: the conv and Dense(5) kernels compressed, the rest sent whole)."""
+    with strategy.scope():
+        model = _norm_model()
+        opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), k=1,
+                                        exchange="allgather", dense_below=40,
+                                        momentum_masking=masking)
+        model.compile(opt, loss="mse")
+    x, y = _data(0, 0)
+    model.fit(np.concatenate([x, x * 0.5]), np.concatenate([y, -y]), batch_size=8,
+              epochs=1, shuffle=False, verbose=0)
+    return ([u.value.values[0].numpy() for u in opt.velocities],
+            tfbs.blocks.layouts_for(model.trainable_variables, model))
+
+
+def test_whole_except_norm_in_model_fit(mirrored2):
+    """One real step on 2 replicas: the BatchNorm and LayerNorm scales and offsets keep
+    their momentum (``"none"``'s), every other variable is masked as ``"whole"`` masks it."""
+    got, lays = _one_step_velocities(mirrored2, "whole_except_norm")
+    whole, _ = _one_step_velocities(mirrored2, "whole")
+    none, _ = _one_step_velocities(mirrored2, "none")
+    norms = [lay.normalization for lay in lays]
+    assert sum(norms) == 4  # BatchNorm's and LayerNorm's gamma and beta
+    assert any(lay.size >= 40 for lay in lays)  # a compressed variable
+    for g, w, n, lay, is_norm in zip(got, whole, none, lays, norms):
+        np.testing.assert_array_equal(g, n if is_norm else w)
+        if lay.size < 40:  # sent whole: masked entirely, or kept whole
+            assert np.any(g != 0) if is_norm else not np.any(g)

@@ -121,6 +121,10 @@ LAYER_RULES: dict[str, dict[str, BlockRule]] = {
 
 #: Recurrent layer classes: delaying them costs far more steps (``AutoExchange``).
 RECURRENT_CLASSES = frozenset(c for c, rules in LAYER_RULES.items() if rules is _RNN_VARS)
+#: Normalisation layer classes (their scales and offsets): the ``"whole_except_norm"``
+#: momentum masking leaves their momentum whole.
+NORMALIZATION_CLASSES = frozenset(c for c, rules in LAYER_RULES.items()
+                                  if rules is _NORM_VARS)
 
 #: Last path component -> rule, for variables whose layer class is unknown.
 PATH_RULES: dict[str, BlockRule] = {
@@ -158,6 +162,12 @@ class BlockLayout:
         """Whether it is a recurrent layer's (or any ``recurrent_kernel``)."""
         return self.layer_class in RECURRENT_CLASSES or \
             self.path.split("/")[-1] == "recurrent_kernel"
+
+    @property
+    def normalization(self) -> bool:
+        """Whether it is a normalisation layer's scale or offset (BatchNormalization,
+        LayerNormalization, GroupNormalization and their subclasses)."""
+        return self.layer_class in NORMALIZATION_CLASSES
 
     @property
     def _span(self) -> tuple[int, int]:
