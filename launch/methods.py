@@ -40,6 +40,10 @@ METHODS: dict[str, MethodSpec] = {
     # dense and reaches its converged target sooner; cnn_small and cnn_bn end below dense.
     "block_auto_nomask": Method(CompressionOptions(), momentum_masking="none",
                                 stated=frozenset({"exchange"})),
+    # The one-line default with the normalisation layers' momentum kept (momentum_masking
+    # "whole_except_norm").
+    "block_auto_masknorm": Method(CompressionOptions(), momentum_masking="whole_except_norm",
+                                  stated=frozenset({"exchange"})),
     # The default compression, always applied, with DGC's masking:
     # BlockSparseOptimizer(SGD(lr, momentum=0.9), exchange="allgather"): k=1, momentum before
     # the exchange (DGC correction), variables under 1,024 elements sent whole (the one-line

@@ -23,6 +23,8 @@ AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_defa
                                         "allgather": "block_default_maskwhole",
                                         "shared": "block_shared_maskwhole"},
                "block_auto_nomask": {"dense": "dense", "allgather": "block_default_nomask"},
+               "block_auto_masknorm": {"dense": "dense",
+                                       "allgather": "block_default_masknorm"},
                "local_auto": {"dense": "local_average", "allgather": "local_block"}}
 
 
