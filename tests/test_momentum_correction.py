@@ -193,6 +193,19 @@ def test_default_masking_follows_recurrent_whole():
     assert tfbs.BlockSparseOptimizer.from_config(opt.get_config()).momentum_masking == "none"
 
 
+def _draw_momenta_and_sent(lays, data):
+    """Per layout a momentum [*shape] and the sent block ids: per variable nothing known
+    (``None``), a few blocks, or every block."""
+    us = [tf.constant(test_selection._data(data.draw(st.integers(0, 2**16)), lay.shape))
+          for lay in lays]
+    sent = []
+    for lay in lays:
+        count = data.draw(st.sampled_from([None, *range(1, lay.num_blocks + 1)]))
+        sent.append(None if count is None else tf.constant(
+            sorted(data.draw(st.permutations(range(lay.num_blocks)))[:count]), tf.int32))
+    return us, sent
+
+
 @given(lays=st.lists(test_selection.layouts(max_rank=3), min_size=1, max_size=4),
        data=st.data())
 @settings(max_examples=30, deadline=None)
@@ -200,13 +213,7 @@ def test_compressed_and_whole_maskings_split_dgc_masking(lays, data):
     """``"compressed"`` and ``"whole"`` each mask a disjoint part of what ``"all"`` masks
     (a variable whose every block is sent belongs to ``"whole"``), so applying both is
     DGC's masking and every variable the one leaves alone is bit-exact."""
-    us = [tf.constant(test_selection._data(data.draw(st.integers(0, 2**16)), lay.shape))
-          for lay in lays]
-    sent = []
-    for lay in lays:  # per variable: nothing known, a few blocks, or every block
-        count = data.draw(st.sampled_from([None, *range(1, lay.num_blocks + 1)]))
-        sent.append(None if count is None else tf.constant(
-            sorted(data.draw(st.permutations(range(lay.num_blocks)))[:count]), tf.int32))
+    us, sent = _draw_momenta_and_sent(lays, data)
     policy = {m: tfbs.MomentumCorrection(0.9, masking=m)
               for m in ("all", "compressed", "whole", "none")}
     every = [ids is not None and int(ids.shape[0]) == lay.num_blocks
@@ -234,13 +241,7 @@ def test_whole_except_norm_keeps_normalisation_momentum(lays, data):
                "GroupNormalization")
     lays = [dataclasses.replace(lay, layer_class=data.draw(st.sampled_from(classes)))
             for lay in lays]
-    us = [tf.constant(test_selection._data(data.draw(st.integers(0, 2**16)), lay.shape))
-          for lay in lays]
-    sent = []
-    for lay in lays:
-        count = data.draw(st.sampled_from([None, *range(1, lay.num_blocks + 1)]))
-        sent.append(None if count is None else tf.constant(
-            sorted(data.draw(st.permutations(range(lay.num_blocks)))[:count]), tf.int32))
+    us, sent = _draw_momenta_and_sent(lays, data)
     got = tfbs.MomentumCorrection(0.9, masking="whole_except_norm").mask(us, lays, sent, None)
     whole = tfbs.MomentumCorrection(0.9, masking="whole").mask(us, lays, sent, None)
     for g, w, u, lay, ids in zip(got, whole, us, lays, sent):

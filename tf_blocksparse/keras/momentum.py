@@ -168,9 +168,9 @@ class MomentumCorrection:
         if self.masking in ("compressed", "whole", "whole_except_norm") \
                 and sent_ids is not None:
             keep_whole = self.masking != "compressed"
-            keep_norm = self.masking != "whole_except_norm"
+            mask_norm = self.masking != "whole_except_norm"
             sent_ids = [ids if ids is not None and sends_every_block(ids, lay) == keep_whole
-                        and (keep_norm or not lay.normalization)
+                        and (mask_norm or not lay.normalization)
                         else None for ids, lay in zip(sent_ids, layouts)]
         return mask_sent(us, layouts, sent_ids,
                          residuals if self.masking == "waited" else None)
