@@ -22,6 +22,7 @@ from launch.testing_flags import define_testing_flags
 from models.registry import DATASET_MODELS
 from tf_blocksparse.options import (
     AUTO_EXCHANGE,
+    EMBEDDINGS,
     MASKINGS,
     METRICS,
     RECURRENT,
@@ -40,12 +41,12 @@ def _valid_densities(values: list[str]) -> bool:
 
 
 _SPARSE_ONLY = ("k", "density", "density_warmup", "dense_below", "momentum_masking",
-                "quantize", "exchange", "metric", "recurrent")
+                "quantize", "exchange", "metric", "recurrent", "embeddings")
 
 
 #: Flags with a default that ``--compression=dense`` takes only at that default.
 _SPARSE_CHOICES = {"quantize": "none", "exchange": AUTO_EXCHANGE, "metric": "l1",
-                   "recurrent": "compress"}
+                   "recurrent": "compress", "embeddings": "compress"}
 
 
 def _dense_takes_no_sparse_options(values: dict) -> bool:
@@ -173,6 +174,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "Sparse methods: whole sends recurrent layers' variables (GRU, LSTM, "
                       "SimpleRNN) whole every step, compressing the rest; compress treats "
                       "them like any other.", **fv)
+    flags.DEFINE_enum("embeddings", "compress", list(EMBEDDINGS),
+                      "Sparse methods: compress sends embedding tables as top-k rows "
+                      "whatever their size; by_size sends those under --dense_below whole, "
+                      "like any other variable.", **fv)
     flags.DEFINE_integer("sync_every", 0, "Local steps: every worker trains alone for this "
                          "many steps, then the workers' progress is exchanged (compressed as "
                          "--compression says) and applied by an outer Nesterov SGD; 0: every "
@@ -266,8 +271,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.register_multi_flags_validator(
         ["compression", *_SPARSE_ONLY], _dense_takes_no_sparse_options,
         "--compression=dense sends every gradient whole: --k, --density, --density_warmup, "
-        "--quantize, --dense_below, --momentum_masking, --exchange, --metric and --recurrent "
-        "apply only to --compression=block or topk", **fv)
+        "--quantize, --dense_below, --momentum_masking, --exchange, --metric, --recurrent "
+        "and --embeddings apply only to --compression=block or topk", **fv)
     flags.register_multi_flags_validator(
         ["save_freq", "model_dir"], lambda f: not f["save_freq"] or f["model_dir"],
         "--save_freq needs --model_dir (the backups go to MODEL_DIR/backup)", **fv)

@@ -28,7 +28,8 @@ from tf_blocksparse.planning.exchange_cost import AutoExchange
 #: The ``launch.train`` flags of a method, in the order :meth:`Method.to_flags` writes them.
 METHOD_FLAGS = ("compression", "k", "density", "metric", "exchange", "fusion_buffer_bytes",
                 "quantize", "sync_every", "outer_lr", "outer_momentum", "global_momentum",
-                "dense_below", "momentum_masking", "density_warmup", "recurrent")
+                "dense_below", "momentum_masking", "density_warmup", "recurrent",
+                "embeddings")
 #: The fraction ``--compression=topk`` keeps when neither ``--k`` nor ``--density`` is given.
 TOPK_DENSITY = 0.01
 #: What the options of a dense method hold: the plain all-reduce, nothing selected.
@@ -37,7 +38,8 @@ DENSE = CompressionOptions(exchange="dense")
 
 def options_from_flags(compression: str, k: int | None, density: float | None, metric: str,
                        exchange: str, dense_below: int | None, quantize: str,
-                       recurrent: str = "compress") -> CompressionOptions:
+                       recurrent: str = "compress", embeddings: str = "compress"
+                       ) -> CompressionOptions:
     """The library's options for ``launch.train``'s compression flags.
 
     ``dense`` sends every gradient whole (:data:`DENSE`; the flags forbid the sparse
@@ -55,6 +57,7 @@ def options_from_flags(compression: str, k: int | None, density: float | None, m
     return CompressionOptions(
         k=k, density=density, metric=metric, exchange=exchange,
         granularity="element" if topk else "block", quantize=quantize, recurrent=recurrent,
+        embeddings=embeddings,
         dense_below=DEFAULT_DENSE_BELOW if dense_below is None else dense_below)
 
 
@@ -149,7 +152,7 @@ class Method:
             "dense_below": None if implied_dense_below or not o.sparse else o.dense_below,
             "momentum_masking": self.momentum_masking,
             "density_warmup": [str(d) for d in self.density_warmup],
-            "recurrent": o.recurrent,
+            "recurrent": o.recurrent, "embeddings": o.embeddings,
         }
 
     def flag_values(self) -> dict[str, Any]:
@@ -172,7 +175,8 @@ class Method:
         default are :attr:`stated`)."""
         f = values
         options = options_from_flags(f.compression, f.k, f.density, f.metric, f.exchange,
-                                     f.dense_below, f.quantize, f.recurrent)
+                                     f.dense_below, f.quantize, f.recurrent,
+                                     f.embeddings)
         return cls(options, fusion_buffer_bytes=f.fusion_buffer_bytes,
                    sync_every=f.sync_every, outer_lr=f.outer_lr,
                    outer_momentum=f.outer_momentum, global_momentum=f.global_momentum,

@@ -19,24 +19,32 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The command line of every method (``{density}``: the benchmark's ``--density``).  What a
 #: method runs must not change: the results files hold the runs it made.  Where a library
 #: default changed after them, the method states the old value (``--momentum_masking=all``:
-#: DGC's masking, the default masking when those results were made).
+#: DGC's masking, the default masking when those results were made; ``--embeddings=by_size``
+#: on the methods with runs on the translation models, whose small embedding tables were
+#: sent whole then).
 COMMAND_LINES = {
     "dense": ("--compression=dense",),
-    "block_auto_default": ("--compression=block", "--exchange=auto", "--momentum_masking=all"),
+    "block_auto_default": ("--compression=block", "--exchange=auto", "--momentum_masking=all",
+                           "--embeddings=by_size"),
     "block_auto_maskwhole": ("--compression=block", "--exchange=auto",
-                             "--momentum_masking=whole"),
+                             "--momentum_masking=whole", "--embeddings=by_size"),
     "block_auto_nomask": ("--compression=block", "--exchange=auto", "--momentum_masking=none"),
     "block_auto_masknorm": ("--compression=block", "--exchange=auto",
                             "--momentum_masking=whole_except_norm"),
-    "block_default": ("--compression=block", "--exchange=allgather", "--momentum_masking=all"),
+    "block_default": ("--compression=block", "--exchange=allgather", "--momentum_masking=all",
+                      "--embeddings=by_size"),
     "block_dense_below_512": ("--compression=block", "--exchange=allgather",
                               "--dense_below=512", "--momentum_masking=all"),
     "block_dense_below_512_maskwhole": ("--compression=block", "--exchange=allgather",
                                         "--dense_below=512", "--momentum_masking=whole"),
     "block_recurrent_whole": ("--compression=block", "--exchange=allgather",
-                              "--momentum_masking=all", "--recurrent=whole"),
+                              "--momentum_masking=all", "--recurrent=whole",
+                              "--embeddings=by_size"),
     "block_recurrent_whole_nomask": ("--compression=block", "--exchange=allgather",
-                                     "--momentum_masking=none", "--recurrent=whole"),
+                                     "--momentum_masking=none", "--recurrent=whole",
+                                     "--embeddings=by_size"),
+    "block_recurrent_whole_embed": ("--compression=block", "--exchange=allgather",
+                                    "--momentum_masking=none", "--recurrent=whole"),
     "block_default_waited": ("--compression=block", "--exchange=allgather",
                              "--momentum_masking=waited"),
     "block_default_nomask": ("--compression=block", "--exchange=allgather",
@@ -44,7 +52,9 @@ COMMAND_LINES = {
     "block_default_maskcomp": ("--compression=block", "--exchange=allgather",
                                "--momentum_masking=compressed"),
     "block_default_maskwhole": ("--compression=block", "--exchange=allgather",
-                                "--momentum_masking=whole"),
+                                "--momentum_masking=whole", "--embeddings=by_size"),
+    "block_default_embed": ("--compression=block", "--exchange=allgather",
+                            "--momentum_masking=whole"),
     "block_default_masknorm": ("--compression=block", "--exchange=allgather",
                                "--momentum_masking=whole_except_norm"),
     "block_shared_maskwhole": ("--compression=block", "--exchange=shared",

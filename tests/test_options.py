@@ -197,7 +197,7 @@ def test_both_forms_default_to_the_same_exchange():
      r"\(did you mean 'metric'\?\)$"),
     ({"zzz": 1},
      r"`zzz`; known keywords: compression, momentum_correction, .*block_rules, "
-     r"dense_steps, quantize, recurrent$"),
+     r"dense_steps, quantize, recurrent, embeddings$"),
     ({"clipnorm": 1.0}, r"^`clipnorm` is an argument of the inner optimizer, not of "
                         r"BlockSparseOptimizer: set it there, e.g. .*SGD\(\.\.\., clipnorm="),
 ])

@@ -126,6 +126,10 @@ RECURRENT_CLASSES = frozenset(c for c, rules in LAYER_RULES.items() if rules is 
 NORMALIZATION_CLASSES = frozenset(c for c, rules in LAYER_RULES.items()
                                   if rules is _NORM_VARS)
 
+#: Embedding layer classes (their tables): ``CompressionOptions.embeddings`` says whether
+#: ``dense_below`` may send a small one whole.
+EMBEDDING_CLASSES = frozenset(c for c, rules in LAYER_RULES.items() if "embeddings" in rules)
+
 #: Last path component -> rule, for variables whose layer class is unknown.
 PATH_RULES: dict[str, BlockRule] = {
     "kernel": OUTPUT_CHANNEL, "depthwise_kernel": DEPTHWISE, "pointwise_kernel": OUTPUT_CHANNEL,
@@ -162,6 +166,13 @@ class BlockLayout:
         """Whether it is a recurrent layer's (or any ``recurrent_kernel``)."""
         return self.layer_class in RECURRENT_CLASSES or \
             self.path.split("/")[-1] == "recurrent_kernel"
+
+    @property
+    def embedding(self) -> bool:
+        """Whether it is an embedding table (an ``Embedding`` layer's, or any
+        ``embeddings``)."""
+        return self.layer_class in EMBEDDING_CLASSES or \
+            self.path.split("/")[-1] == "embeddings"
 
     @property
     def normalization(self) -> bool:

@@ -25,6 +25,7 @@ from tf_blocksparse.blocks import ELEMENT, BlockLayout
 from tf_blocksparse.checks import check_choice, validate_dense_below, validate_k_density
 from tf_blocksparse.options import (
     DEFAULT_DENSE_BELOW,
+    EMBEDDINGS,
     METRICS,
     QUANTIZATIONS,
     RECURRENT,
@@ -96,11 +97,15 @@ class BlockTopK:
         :mod:`~tf_blocksparse.quantize`); ``"none"`` sends them in their own dtype.
       recurrent: ``"compress"`` or ``"whole"`` (recurrent layers' variables sent whole, as
         ``CompressionOptions.recurrent`` says).
+      embeddings: ``"compress"`` (embedding tables compressed whatever their size) or
+        ``"by_size"`` (``dense_below`` applies to them), as ``CompressionOptions.embeddings``
+        says.
 
     Attributes:
       counts: Per variable, the blocks kept each step.
-      whole: Per variable, true when it is sent whole (under ``dense_below``, or a
-        recurrent layer's with ``recurrent="whole"``); the exchanges sum those densely,
+      whole: Per variable, true when it is sent whole (under ``dense_below``, unless an
+        embedding table with ``embeddings="compress"``; or a recurrent layer's with
+        ``recurrent="whole"``); the exchanges sum those densely,
         without block ids or scores.
       momentum_kept: Per variable, true for a recurrent layer's sent whole: momentum
         correction's masking leaves its local momentum alone (momentum SGD on it), where a
@@ -110,19 +115,21 @@ class BlockTopK:
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
                  density: float | None = None, metric: str = "l1",
                  dense_below: int = DEFAULT_DENSE_BELOW, quantize: str = "none", *,
-                 recurrent: str = "compress"):
+                 recurrent: str = "compress", embeddings: str = "compress"):
         check_choice(metric, METRICS, "metric")
         self.quantize = check_choice(quantize, QUANTIZATIONS, "quantize")
         self.recurrent = check_choice(recurrent, RECURRENT, "recurrent")
+        self.embeddings = check_choice(embeddings, EMBEDDINGS, "embeddings")
         self.k, self.density = validate_k_density(k, density)
         self.dense_below = validate_dense_below(dense_below)
         self.metric = metric
         self.layouts = tuple(layouts)
         self.momentum_kept: tuple[bool, ...] = tuple(
             recurrent == "whole" and lay.recurrent for lay in self.layouts)
+        by_size = tuple(lay.size < self.dense_below and not (
+            embeddings == "compress" and lay.embedding) for lay in self.layouts)
         self.whole: tuple[bool, ...] = tuple(
-            lay.size < self.dense_below or kept
-            for lay, kept in zip(self.layouts, self.momentum_kept))
+            small or kept for small, kept in zip(by_size, self.momentum_kept))
         self.counts: tuple[int, ...] = tuple(
             lay.num_blocks if whole
             else selection.num_selected(lay.num_blocks, self.k, self.density)
@@ -223,13 +230,14 @@ class ElementTopK(BlockTopK):
     def __init__(self, layouts: Sequence[BlockLayout], k: int | None = None,
                  density: float | None = None, metric: str = "l1",
                  dense_below: int = DEFAULT_DENSE_BELOW, quantize: str = "none",
-                 *, recurrent: str = "compress"):
+                 *, recurrent: str = "compress", embeddings: str = "compress"):
         super().__init__([dataclasses.replace(lay, rule=ELEMENT) for lay in layouts],
-                         k, density, metric, dense_below, quantize, recurrent=recurrent)
+                         k, density, metric, dense_below, quantize, recurrent=recurrent,
+                         embeddings=embeddings)
 
 
 def compressor_for(options: CompressionOptions, layouts: Sequence[BlockLayout]) -> BlockTopK:
     """The compressor ``options`` ask for (its ``granularity``) over ``layouts``."""
     cls = ElementTopK if options.granularity == "element" else BlockTopK
     return cls(layouts, options.k, options.density, options.metric, options.dense_below,
-               options.quantize, recurrent=options.recurrent)
+               options.quantize, recurrent=options.recurrent, embeddings=options.embeddings)

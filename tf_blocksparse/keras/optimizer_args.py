@@ -25,6 +25,7 @@ from tf_blocksparse.options import (
     DEFAULT_DENSE_BELOW,
     NONFINITE,
     OPTION_NAMES,
+    SAVED_EMBEDDINGS,
     SAVED_MASKING,
     CompressionOptions,
     option_view,
@@ -145,7 +146,9 @@ def config_arguments(config: Mapping[str, Any]) -> dict[str, Any]:
             # Files from when the masking was on or off: on was DGC's masking.
             config["momentum_masking"] = SAVED_MASKING if config["momentum_masking"] else "none"
     elif isinstance(config["compression"], Mapping):
-        config["compression"] = CompressionOptions.from_config(config["compression"])
+        # Options saved before the embeddings rule existed sent small tables whole.
+        config["compression"] = CompressionOptions.from_config(
+            {"embeddings": SAVED_EMBEDDINGS} | dict(config["compression"]))
     if isinstance(config.get("momentum_correction"), Mapping):
         config["momentum_correction"] = MomentumCorrection.from_config(
             config["momentum_correction"])
