@@ -151,10 +151,13 @@ bench-full: venv data
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole
 	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 \
 		--methods=block_dense_below_512_maskwhole
+	$(CONVERGE) --models=gru_nmt --epochs=20 --seeds=0,1,2 --methods=block_default_embed
 	$(CONVERGE) --models=lstm_nmt --epochs=20 --seeds=0,1,2
 	$(CONVERGE) --models=gru_nmt,lstm_nmt --epochs=20 --seeds=0,1,2 --methods=block_recurrent_whole
 	$(CONVERGE) --models=gru_nmt,lstm_nmt --epochs=20 --seeds=0,1,2 \
 		--methods=block_recurrent_whole_nomask
+	$(CONVERGE) --models=gru_nmt,lstm_nmt --epochs=20 --seeds=0,1,2 \
+		--methods=block_recurrent_whole_embed
 	$(CONVERGE) --models=resnet20 --epochs=12 --seeds=0,1,2
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0,1,2
 	$(CONVERGE) --models=vgg_fc --epochs=10 --seeds=0 --methods=block_allgather --density=0.03

@@ -42,6 +42,10 @@ METHODS: dict[str, MethodSpec] = {
     "block_auto_maskwhole": Method(CompressionOptions(embeddings=_BY_SIZE),
                                    momentum_masking="whole",
                                    stated=frozenset({"exchange"})),
+    # The one-line default as it is now: the same with embedding tables compressed whatever
+    # their size (block_auto_maskwhole bit for bit on a model without embeddings).
+    "block_auto_embed": Method(CompressionOptions(), momentum_masking="whole",
+                               stated=frozenset({"exchange"})),
     # The one-line default with the local momentum never masked: ResNet-20 ends level with
     # dense and reaches its converged target sooner; cnn_small and cnn_bn end below dense.
     "block_auto_nomask": Method(CompressionOptions(), momentum_masking="none",
@@ -102,8 +106,9 @@ METHODS: dict[str, MethodSpec] = {
     "block_default_masknorm": Method(CompressionOptions(exchange="allgather"),
                                      momentum_masking="whole_except_norm"),
     # The same with the shared exchange (replicas sum their block scores and all send the
-    # top blocks of the sum), the other sparse mode the automatic exchange may choose.
-    "block_shared_maskwhole": Method(CompressionOptions(exchange="shared"),
+    # top blocks of the sum), the other sparse mode the automatic exchange may choose
+    # (small embedding tables sent whole, as in block_auto_maskwhole whose curves these are).
+    "block_shared_maskwhole": Method(CompressionOptions(exchange="shared", embeddings=_BY_SIZE),
                                      momentum_masking="whole"),
     # The default with DGC's density warm-up: 25%, 6.25%, 1.56% and 0.4% of the blocks in
     # the first four epochs, then k=1.

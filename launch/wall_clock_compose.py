@@ -22,6 +22,7 @@ AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_defa
                "block_auto_maskwhole": {"dense": "dense",
                                         "allgather": "block_default_maskwhole",
                                         "shared": "block_shared_maskwhole"},
+               "block_auto_embed": {"dense": "dense", "allgather": "block_default_embed"},
                "block_auto_nomask": {"dense": "dense", "allgather": "block_default_nomask"},
                "block_auto_masknorm": {"dense": "dense",
                                        "allgather": "block_default_masknorm"},

@@ -115,14 +115,24 @@ def np_is_normalization(layout: Any) -> bool:
                                   "GroupNormalization")
 
 
-def np_is_whole(layout: Any, dense_below: int) -> bool:
-    """True when the variable has fewer than ``dense_below`` elements (sent whole)."""
+def np_is_embedding(layout: Any) -> bool:
+    """True for an embedding table (an ``Embedding`` layer's, or a variable named
+    ``embeddings``; the reference's own test)."""
+    return getattr(layout, "layer_class", None) == "Embedding" or \
+        str(getattr(layout, "path", "")).split("/")[-1] == "embeddings"
+
+
+def np_is_whole(layout: Any, dense_below: int, embeddings: str = "compress") -> bool:
+    """True when the variable has fewer than ``dense_below`` elements (sent whole), unless
+    it is an embedding table and ``embeddings`` is ``"compress"``."""
+    if embeddings == "compress" and np_is_embedding(layout):
+        return False
     return math.prod(_shape(layout)) < dense_below
 
 
 def np_payload_bytes(mode: str, layouts: Sequence[Any], k: int | None = None,
                      density: float | None = None, dense_below: int = 0,
-                     itemsize: int = 4) -> int:
+                     itemsize: int = 4, embeddings: str = "compress") -> int:
     """Bytes one replica hands to the collectives in one step (float32 scores and ids).
 
     ``"allgather"``: ``4 * (sum k_v + 1)`` (ids and the non-finite flag) plus the values of
@@ -133,8 +143,9 @@ def np_payload_bytes(mode: str, layouts: Sequence[Any], k: int | None = None,
     sizes = [math.prod(_shape(lay)) for lay in layouts]
     if mode == "dense":
         return itemsize * sum(sizes)
-    whole = itemsize * sum(n for n, lay in zip(sizes, layouts) if np_is_whole(lay, dense_below))
-    sparse = [_view_shape(lay) for lay in layouts if not np_is_whole(lay, dense_below)]
+    whole_flags = [np_is_whole(lay, dense_below, embeddings) for lay in layouts]
+    whole = itemsize * sum(n for n, w in zip(sizes, whole_flags) if w)
+    sparse = [_view_shape(lay) for lay, w in zip(layouts, whole_flags) if not w]
     if not sparse:
         return whole
     counts = [np_num_selected(nb, k, density) for _, nb, _ in sparse]
@@ -159,7 +170,8 @@ def np_compress(grad: np.ndarray, residual: np.ndarray, layout: Any, k: int | No
 def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
             residuals_per_replica: Sequence[Sequence[np.ndarray]] | None,
             layouts: Sequence[Any], k: int | None = None, density: float | None = None,
-            metric: str = "l1", sent: list | None = None, dense_below: int = 0
+            metric: str = "l1", sent: list | None = None, dense_below: int = 0,
+            embeddings: str = "compress"
             ) -> tuple[list[np.ndarray], list[list[np.ndarray]], bool]:
     """One exchange step over all replicas.
 
@@ -175,6 +187,8 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
       dense_below: Variables with fewer elements are sent whole: their update is the plain
         sum of the replicas' ``grad + residual``, their residual zero and their sent ids
         every block id in order.
+      embeddings: ``"compress"``: embedding tables are compressed whatever their size;
+        ``"by_size"``: ``dense_below`` applies to them too.
 
     Returns:
       ``(updates, new_residuals, finite)``: per variable the summed update (the same on
@@ -205,7 +219,7 @@ def np_step(mode: str, grads_per_replica: Sequence[Sequence[np.ndarray]],
     sent_ids: list[list[np.ndarray]] = [[None] * nvars for _ in range(n)]
     for v, lay in enumerate(layouts):
         nb = _view_shape(lay)[1]
-        if np_is_whole(lay, dense_below):
+        if np_is_whole(lay, dense_below, embeddings):
             for r in range(n):
                 updates[v] = updates[v] + accs[r][v]
                 residuals[r][v] = np.zeros_like(accs[r][v])
@@ -231,7 +245,8 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                                velocities_per_replica: Sequence[Sequence[np.ndarray]],
                                layouts: Sequence[Any], momentum: float, k: int | None = None,
                                density: float | None = None, metric: str = "l1",
-                               masking: str = "all", dense_below: int = 0
+                               masking: str = "all", dense_below: int = 0,
+                               embeddings: str = "compress"
                                ) -> tuple[list[np.ndarray], list[list[np.ndarray]],
                                           list[list[np.ndarray]], bool]:
     """DGC momentum correction + factor masking around :func:`np_step`.
@@ -252,7 +267,8 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
           for us_r, gs_r in zip(velocities_per_replica, grads_per_replica)]
     sent: list = []
     updates, residuals, finite = np_step(mode, us, residuals_per_replica, layouts, k, density,
-                                         metric, sent=sent, dense_below=dense_below)
+                                         metric, sent=sent, dense_below=dense_below,
+                                         embeddings=embeddings)
     if mode == "dense" or masking == "none":
         return updates, residuals, us, finite
     if masking == "waited":

@@ -110,6 +110,24 @@ def test_embedding_one_block_per_row():
     _check(t["emb/embeddings"], "row", 11, 3, "Embedding")
 
 
+class _MyEmbedding(keras.layers.Embedding):
+    pass
+
+
+def test_embedding_tables_are_known_by_class_or_path():
+    """``BlockLayout.embedding``: an ``Embedding`` layer's table (subclasses through the
+    MRO), or any variable named ``embeddings``; nothing else."""
+    model = keras.Sequential([keras.Input((5,)), _MyEmbedding(11, 3, name="emb"),
+                              keras.layers.Dense(2, name="fc")])
+    layouts = blocks.layouts_for(model.trainable_variables, model)
+    assert [lay.embedding for lay in layouts] == [True, False, False]
+    assert blocks.rule_for("m/tok/embeddings", (7, 4)).embedding
+    assert not blocks.rule_for("m/tok/kernel", (7, 4)).embedding
+    assert "Embedding" in blocks.EMBEDDING_CLASSES
+    assert not blocks.EMBEDDING_CLASSES & (blocks.RECURRENT_CLASSES
+                                           | blocks.NORMALIZATION_CLASSES)
+
+
 @pytest.mark.parametrize("cls,gates,cell", [(keras.layers.GRU, 3, "GRUCell"),
                                             (keras.layers.LSTM, 4, "LSTMCell")])
 def test_recurrent_kernels_one_block_per_output_column(cls, gates, cell):
@@ -470,6 +488,46 @@ def test_zero_size_variable_is_rejected():
 
     with pytest.raises(ValueError, match="no elements"):
         b.rule_for("m/dense/kernel", (3, 0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs=st.lists(st.tuples(st.lists(st.integers(1, 40), min_size=1, max_size=3),
+                                st.sampled_from([None, "Embedding", "Dense", "GRU"]),
+                                st.sampled_from(["kernel", "embeddings", "bias"])),
+                      min_size=1, max_size=6),
+       dense_below=st.sampled_from([0, 16, 1024]), k=st.integers(1, 4),
+       recurrent=st.sampled_from(["compress", "whole"]))
+def test_embeddings_compress_takes_exactly_the_small_tables_out_of_dense_below(
+        specs, dense_below, k, recurrent):
+    """``embeddings="compress"`` (default) sends whole what ``"by_size"`` does, except the
+    embedding tables under ``dense_below``: those keep ``k`` blocks and count as delayed."""
+    from tf_blocksparse.exchange_bytes import group_cost
+    from tf_blocksparse.feedback import BlockTopK, ElementTopK
+    layouts = [blocks.BlockLayout(f"m/l{i}/{name}", tuple(shape), blocks.RULES["row"], cls)
+               for i, (shape, cls, name) in enumerate(specs)]
+    for kind in (BlockTopK, ElementTopK):
+        by_size = kind(layouts, k=k, dense_below=dense_below, recurrent=recurrent,
+                       embeddings="by_size")
+        compress = kind(layouts, k=k, dense_below=dense_below, recurrent=recurrent)
+        assert compress.embeddings == "compress"
+        for lay, a, b, na, nb, in zip(by_size.layouts, by_size.whole, compress.whole,
+                                      by_size.counts, compress.counts):
+            small_table = lay.embedding and lay.size < dense_below and not (
+                recurrent == "whole" and lay.recurrent)
+            assert b == (a and not small_table)
+            assert lay.size >= dense_below or lay.embedding or (b and a)
+            assert nb == (min(k, lay.num_blocks) if small_table else na)
+        f32 = ["float32"] * len(layouts)
+        moved = sum(4 * lay.size for lay, a, b in zip(by_size.layouts, by_size.whole,
+                                                    compress.whole) if a != b)
+        assert group_cost(compress, f32).delayed_bytes == \
+            group_cost(by_size, f32).delayed_bytes + moved
+
+
+def test_bad_embeddings_rule_is_named():
+    from tf_blocksparse.feedback import BlockTopK
+    with pytest.raises(ValueError, match="`embeddings`"):
+        BlockTopK([blocks.rule_for("m/e/embeddings", (4, 2))], k=1, embeddings="whole")
 
 
 @settings(max_examples=60, deadline=None)

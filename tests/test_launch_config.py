@@ -71,6 +71,9 @@ def test_the_method_holds_the_library_options():
     whole = Method.from_args(["--compression=block", "--exchange=allgather",
                               "--recurrent=whole"])
     assert whole.options == CompressionOptions(exchange="allgather", recurrent="whole")
+    by_size = Method.from_args(["--compression=block", "--embeddings=by_size"])
+    assert by_size.options == CompressionOptions(embeddings="by_size")
+    assert by_size.to_flags() == ["--compression=block", "--embeddings=by_size"]
 
 
 def test_stated_keeps_only_flags_at_their_default():

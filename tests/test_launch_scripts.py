@@ -49,6 +49,8 @@ OWN_FLAGS = {
 BAD_FLAGS = [
     ("train", ["--compression=dense", "--k=5"], "--k"),
     ("train", ["--compression=dense", "--recurrent=whole"], "--recurrent"),
+    ("train", ["--compression=dense", "--embeddings=by_size"], "--embeddings"),
+    ("train", ["--embeddings=rows"], "--embeddings"),
     ("train", ["--num_devices=0"], "num_devices"),
     ("demo", ["--methods=dense,nope"], "--methods"),
     ("demo", ["--num_workers=0"], "num_workers"),

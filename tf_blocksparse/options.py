@@ -55,9 +55,8 @@ QUANTIZATIONS = ("none", "bfloat16", "int8", "int4")
 #: every step (no residual, their momentum unmasked), as ``dense_below`` does small ones.
 RECURRENT = ("compress", "whole")
 #: What ``dense_below`` does with embedding tables (``Embedding``'s ``embeddings``):
-#: ``"compress"`` them whatever their size (a step's gradient touches only the rows of the
-#: tokens in its batch, so a few rows carry it), or treat them ``"by_size"`` like any other
-#: variable.
+#: ``"compress"`` them whatever their size (one row per block), or treat them ``"by_size"``
+#: like any other variable.
 EMBEDDINGS = ("compress", "by_size")
 #: The embeddings rule of a saved config that names none: ``"by_size"``, the only one when
 #: such configs were written.
@@ -122,11 +121,11 @@ class CompressionOptions:
         model should use.  The automatic exchange keeps a group with compressed recurrent
         variables dense by itself; with ``"whole"`` it may compress the rest of the group.
       embeddings: ``"compress"`` (default): embedding tables are compressed (top-k rows)
-        whatever their size; ``dense_below`` does not send a small one whole.  An
-        embedding's gradient is nonzero only in the rows of the step's tokens, so a few rows
-        carry it; on the GRU translation model this cuts the bytes per step by two fifths
-        within the accuracy bound (docs/results.md).  ``"by_size"``: ``dense_below``
-        applies to them as to any other variable.
+        whatever their size; ``dense_below`` does not send a small one whole (with a large
+        vocabulary a step's gradient is nonzero only in its tokens' rows).  On the GRU
+        translation model this cuts the bytes per step by two fifths and keeps the
+        accuracy within 0.3 points of dense (docs/results.md).  ``"by_size"``:
+        ``dense_below`` applies to them as to any other variable.
       dense_steps: The first ``dense_steps`` optimizer steps (its ``iterations``) send the
         dense all-reduce whatever ``exchange`` says, as PowerSGD's ``start_powerSGD_iter``:
         the early, fast-changing gradients are not delayed by error feedback.  Then the
