@@ -39,18 +39,23 @@ def _grad_model() -> keras.Model:
     return _model()
 
 
-def _replica_grads(weights, x, y, num_replicas):
-    """Per-replica gradients computed on one device at the given weights."""
-    m = _grad_model()
+def _replica_grads(weights, x, y, num_replicas, grad_model=None):
+    """Per-replica gradients computed on one device at the given weights (on
+    ``grad_model``, default :func:`_grad_model`; sparse gradients made dense)."""
+    m = grad_model or _grad_model()
     m.set_weights(weights)
     with tf.GradientTape() as tape:
         loss = _loss(m, x, y, num_replicas)
-    return [g.numpy() for g in tape.gradient(loss, m.trainable_variables)]
+    return [tf.convert_to_tensor(g).numpy()
+            for g in tape.gradient(loss, m.trainable_variables)]
 
 
-def _run_distributed(strategy, inner_momentum=MOMENTUM, **opt_kwargs):
+def _run_distributed(strategy, inner_momentum=MOMENTUM, model_fn=_model, data_fn=_data,
+                     **opt_kwargs):
+    """``model_fn()`` trained STEPS steps on ``data_fn(step, replica)`` over ``strategy``
+    by ``BlockSparseOptimizer(SGD(LR, inner_momentum), **opt_kwargs)``."""
     with strategy.scope():
-        model = _model()
+        model = model_fn()
         opt = tfbs.BlockSparseOptimizer(keras.optimizers.SGD(LR, momentum=inner_momentum),
                                         **opt_kwargs)
         opt.build(model.trainable_variables)
@@ -68,9 +73,9 @@ def _run_distributed(strategy, inner_momentum=MOMENTUM, **opt_kwargs):
 
     for s in range(STEPS):
         x = strategy.experimental_distribute_values_from_function(
-            lambda ctx, s=s: tf.constant(_data(s, ctx.replica_id_in_sync_group)[0]))
+            lambda ctx, s=s: tf.constant(data_fn(s, ctx.replica_id_in_sync_group)[0]))
         y = strategy.experimental_distribute_values_from_function(
-            lambda ctx, s=s: tf.constant(_data(s, ctx.replica_id_in_sync_group)[1]))
+            lambda ctx, s=s: tf.constant(data_fn(s, ctx.replica_id_in_sync_group)[1]))
         train(x, y)
     return model, opt
 
