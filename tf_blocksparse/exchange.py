@@ -22,8 +22,9 @@ are packed into one buffer per kind):
     residuals (a group the automatic exchange switched to dense), it sends ``grad +
     residual`` and returns zero residuals: error feedback is flushed, nothing is lost.
 
-Variables sent whole (``BlockTopK.whole``: below its ``dense_below``, or recurrent ones with
-``recurrent="whole"``) need neither ids nor
+Variables sent whole (``BlockTopK.whole``: below its ``dense_below`` unless embedding tables
+with ``embeddings="compress"``, or recurrent ones with ``recurrent="whole"``) need neither
+ids nor
 scores: both sparse modes sum them with one more sum of their packed accumulations
 (``itemsize * sum size_v`` bytes).
 
