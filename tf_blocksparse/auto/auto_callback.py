@@ -84,8 +84,12 @@ class AutoExchangeCallback(OptimizerCallback):
         self.initial: ExchangeDecision | None = None
 
     def _opt(self) -> Any:
+        """The optimizer while its automatic exchange has a choice to make, else ``None``:
+        where every group stays dense for good (or there is one replica or one candidate)
+        the callback times nothing and reads no metrics (no collectives)."""
         opt = self.block_sparse
-        return opt if opt is not None and opt.exchange_chooser is not None else None
+        chooser = None if opt is None else opt.exchange_chooser
+        return opt if chooser is not None and chooser.has_choice else None
 
     @staticmethod
     def _totals(opt: Any) -> tuple[float, float]:

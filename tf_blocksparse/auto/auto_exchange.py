@@ -123,6 +123,14 @@ class ExchangeChooser:
         self._compress_s: list[float] | None = None  # agreed, since the last link probes
         self.measure_s = 0.0
 
+    @property
+    def has_choice(self) -> bool:
+        """Whether :meth:`decide` can choose: several replicas, more than one candidate,
+        and some group that does not stay dense for good.  Without a choice the modes stay
+        :func:`fallback_mode`'s from the start and nothing needs timing."""
+        return not (self.strategy.num_replicas_in_sync <= 1 or self.policy.pinned
+                    or self.policy.stays_dense(self._untimed))
+
     @tf.autograph.experimental.do_not_convert  # decided while tracing, in Python
     def mode_of(self, variable: int) -> str:
         """The mode of the group holding variable index ``variable``."""
@@ -172,8 +180,7 @@ class ExchangeChooser:
     def _decide(self, compute_s: float | None, remeasure: bool, hysteresis: bool,
                 switch_s: float, steps_left: float | None) -> ExchangeDecision | None:
         strategy, policy = self.strategy, self.policy
-        if strategy.num_replicas_in_sync <= 1 or policy.pinned or \
-                policy.stays_dense(self._untimed):  # no choice to make
+        if not self.has_choice:
             self.set_modes([fallback_mode(policy, strategy.num_replicas_in_sync,
                                           self._untimed)] * len(self.groups))
             return None
