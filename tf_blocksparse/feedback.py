@@ -126,10 +126,10 @@ class BlockTopK:
         self.layouts = tuple(layouts)
         self.momentum_kept: tuple[bool, ...] = tuple(
             recurrent == "whole" and lay.recurrent for lay in self.layouts)
-        by_size = tuple(lay.size < self.dense_below and not (
+        under_dense_below = tuple(lay.size < self.dense_below and not (
             embeddings == "compress" and lay.embedding) for lay in self.layouts)
         self.whole: tuple[bool, ...] = tuple(
-            small or kept for small, kept in zip(by_size, self.momentum_kept))
+            small or kept for small, kept in zip(under_dense_below, self.momentum_kept))
         self.counts: tuple[int, ...] = tuple(
             lay.num_blocks if whole
             else selection.num_selected(lay.num_blocks, self.k, self.density)
