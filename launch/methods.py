@@ -168,8 +168,8 @@ METHODS: dict[str, MethodSpec] = {
                                    outer_momentum=0.9),
 }
 #: The methods of ``launch.demo`` under the names its table prints.
-DEMO_METHODS = {"dense": "dense", "block default": "block_auto_maskwhole",
-                "block k=1": "block_default_maskwhole", "block literal": "block_source"}
+DEMO_METHODS = {"dense": "dense", "block default": "block_auto_embed",
+                "block k=1": "block_default_embed", "block literal": "block_source"}
 #: The methods ``launch.bench_convergence`` may run, in its table's order.
 CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
                        "block_dense_below_512_maskwhole",

@@ -104,7 +104,7 @@ def test_bad_embeddings_value_is_named(bad):
         tfbs.BlockSparseCrossDeviceOps(k=1, exchange="allgather", embeddings=bad)
 
 
-def test_cross_device_ops_apply_the_rule_by_path(mirrored2):
+def test_cross_device_ops_apply_the_rule_by_path():
     """``BlockSparseCrossDeviceOps`` without a model knows the table by its path: with
     ``dense_below=50`` it keeps one row per device under ``"compress"``, all 12 under
     ``"by_size"``."""
