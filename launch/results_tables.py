@@ -38,15 +38,16 @@ def _fmt(value: float | None, spec: str, missing: str = "not reached") -> str:
 
 
 def _spread(value: dict | None, spec: str, missing: str = "not reached",
-            suffix: str = "") -> str:
+            suffix: str = "", count: bool = False) -> str:
     """A :func:`launch.experiments.spread`: the value alone for one seed, else ``mean ±
-    std (min-max)``."""
+    std (min-max)``, with ``count`` ``(min-max, n)``."""
     if value is None:
         return missing
     if value["n"] == 1:
         return format(value["mean"], spec) + suffix
+    n = f", {value['n']}" if count else ""
     return (f"{value['mean']:{spec}}{suffix} ± {value['std']:{spec}} "
-            f"({value['min']:{spec}}-{value['max']:{spec}})")
+            f"({value['min']:{spec}}-{value['max']:{spec}}{n})")
 
 
 def _tta_summary(doc: dict) -> list[dict]:
@@ -166,14 +167,17 @@ def wall_clock_table(doc: dict) -> str:
     """One row per model x link x method (``time_to_accuracy.json``)."""
     lines = ["| model | link | method | seeds reaching target | epochs to target | "
              "s/epoch (of it eval, backup) | one-time s | wall s to target | wall speedup | "
-             "training-clock speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "wall speedup per timing round | training-clock speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["summary"]:
+        per_round = r.get("wall_speedup_vs_dense_per_round")
         lines.append(
             f"| {r['model']} | {r['bandwidth_mbit']:g} Mbit/s | {r['method']} | "
             f"{r['reached']}/{len(r['seeds'])} | {_spread(r['epochs_to_target'], '.1f')} | "
             f"{r['epoch_wall_s']:.1f} ({r['eval_s']:.1f}, {r['backup_s']:.2f}) | "
             f"{r['one_time_s']:.1f} | {_spread(r['wall_s'], '.0f')} | "
             f"{_spread(r['wall_speedup_vs_dense'], '.2f', suffix='x')} | "
+            f"{_spread(per_round, '.2f', suffix='x', count=True) if per_round else '-'} | "
             f"{_spread(r['speedup_vs_dense'], '.2f', suffix='x')} |")
     return "\n".join(lines)
 

@@ -199,9 +199,18 @@ def test_repeated_wall_clock_file(name):
             assert parts[key] == pytest.approx(statistics.median(r[key] for r in t["repeats"]),
                                                abs=1e-3), key
         assert parts["repeat_epoch_wall_s"] == [r["epoch_wall_s"] for r in t["repeats"]]
+    reached = {(r["model"], r["bandwidth_mbit"], r["method"], r["seed"])
+               for r in doc["records"] if r["epochs_to_target"] is not None}
     for row in doc["summary"]:
         if row["method"] != "dense":
             assert row["epoch_wall_ratio_vs_dense_per_round"]["n"] == repeats
+        both = any((row["model"], row["bandwidth_mbit"], m, s) in reached
+                   for m in ("dense",) for s in row["seeds"]
+                   if (row["model"], row["bandwidth_mbit"], row["method"], s) in reached)
+        # the wall speedup composed per round of turns, over the seeds both reach
+        assert ("wall_speedup_vs_dense_per_round" in row) == both
+        if both:
+            assert row["wall_speedup_vs_dense_per_round"]["n"] == repeats
     assert len(results_tables.wall_clock_table(doc).splitlines()) == len(doc["summary"]) + 2
 
 

@@ -2,6 +2,7 @@
 hand-made records."""
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -209,9 +210,28 @@ def test_repeated_timings_report_the_per_round_ratio_to_dense():
     row = next(r for r in summary if r["method"] == "block")
     ratio = row["epoch_wall_ratio_vs_dense_per_round"]
     assert ratio["n"] == 2 and ratio["min"] == 2.0 and ratio["max"] == 3.0
+    assert "wall_speedup_vs_dense_per_round" not in row  # no one-time seconds per round
+    # each round's wall to target from its own parts: one-time + epochs x epoch wall
+    curves[("m", "block")] = {0: [0.5, 0.8, 0.9], 1: [0.9, 0.9, 0.9]}
+    curves[("m", "dense")] = {0: [0.5, 0.9, 0.9], 1: [0.5, 0.9, 0.9]}
+    dense["repeat_one_time_s"], block["repeat_one_time_s"] = [5.0, 8.0], [10.0, 2.0]
+    _, summary, _ = wc.compose(curves, {("m", 100.0, "dense"): dense,
+                                        ("m", 100.0, "block"): block}, ["m"], [100.0],
+                               ["dense", "block"], 0.003)
+    row = next(r for r in summary if r["method"] == "block")
+    # target 0.897: dense needs 2 epochs in both seeds, block 3 (seed 0) and 1 (seed 1)
+    rounds = [statistics.fmean([(5 + 2 * 10) / (10 + 3 * 5), (5 + 2 * 10) / (10 + 1 * 5)]),
+              statistics.fmean([(8 + 2 * 12) / (2 + 3 * 4), (8 + 2 * 12) / (2 + 1 * 4)])]
+    per_round = row["wall_speedup_vs_dense_per_round"]
+    assert per_round["n"] == 2
+    assert per_round["mean"] == pytest.approx(statistics.fmean(rounds), abs=1e-3)
+    assert per_round["min"] == pytest.approx(min(rounds), abs=1e-3)
+    dense_row = next(r for r in summary if r["method"] == "dense")
+    assert dense_row["wall_speedup_vs_dense_per_round"]["min"] == 1.0
     single = wc.compose(curves, {("m", 100.0, "dense"): base, ("m", 100.0, "block"): base},
                         ["m"], [100.0], ["dense", "block"], 0.003)[1]
-    assert all("epoch_wall_ratio_vs_dense_per_round" not in r for r in single)
+    assert all("epoch_wall_ratio_vs_dense_per_round" not in r and
+               "wall_speedup_vs_dense_per_round" not in r for r in single)
 
 
 def test_checks_are_remade_at_a_new_target_and_earlier_ones_stay():
