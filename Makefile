@@ -280,6 +280,10 @@ bench-full: venv data
 			--methods=dense,block_auto_embed --timing_repeats=4 --timing_order=turns \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_gru_inert && \
 		cp runs/wall_gru_inert/time_to_accuracy.json $(BENCH)/time_to_accuracy_embed_gru_nmt_1gbit_repeats.json && \
+		$(PY) -m launch.bench_wall_clock --models=gru_nmt --bandwidths_mbit=1000 \
+			--methods=dense,block_auto_embed --timing_repeats=8 --timing_order=balanced \
+			--convergence=$(BENCH)/convergence.json --out=runs/wall_gru_bal8 && \
+		cp runs/wall_gru_bal8/time_to_accuracy.json $(BENCH)/time_to_accuracy_embed_gru_nmt_1gbit_balanced.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
 			--methods=dense,block_auto_default --timing_repeats=3 --timing_order=turns \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \
