@@ -284,6 +284,10 @@ bench-full: venv data
 			--methods=dense,block_auto_embed --timing_repeats=8 --timing_order=balanced \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_gru_bal8 && \
 		cp runs/wall_gru_bal8/time_to_accuracy.json $(BENCH)/time_to_accuracy_embed_gru_nmt_1gbit_balanced.json && \
+		$(PY) -m launch.bench_wall_clock --models=resnet20 --bandwidths_mbit=1000 \
+			--methods=dense,block_auto_embed --timing_repeats=4 --timing_order=balanced \
+			--convergence=$(CURVES_R20_30) --out=runs/wall_r20_bal4 && \
+		cp runs/wall_r20_bal4/time_to_accuracy.json $(BENCH)/time_to_accuracy_embed_resnet20_1gbit_balanced.json && \
 		$(PY) -m launch.bench_wall_clock --models=cnn_small,gru_nmt --bandwidths_mbit=1000 \
 			--methods=dense,block_auto_default --timing_repeats=3 --timing_order=turns \
 			--convergence=$(BENCH)/convergence.json --out=runs/wall_rep && \

@@ -182,6 +182,7 @@ def test_wall_clock_file():
                                   "time_to_accuracy_embed_gru_nmt_repeats.json",
                                   "time_to_accuracy_embed_gru_nmt_1gbit_repeats.json",
                                   "time_to_accuracy_embed_gru_nmt_1gbit_balanced.json",
+                                  "time_to_accuracy_embed_resnet20_1gbit_balanced.json",
                                   "time_to_accuracy_maskwhole_resnet20_balanced.json",
                                   "local_steps_wall_clock_resnet20_repeats.json",
                                   "time_to_accuracy_recurrent.json"])
