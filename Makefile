@@ -203,7 +203,7 @@ bench-full: venv data
 		--out=runs/r20_30ep
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=3,4 --methods=dense,block_default_maskwhole \
 		--out=runs/r20_30ep
-	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1 --methods=block_default_masknorm \
+	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_masknorm \
 		--out=runs/r20_30ep
 	cp runs/r20_30ep/convergence.json $(BENCH)/convergence_resnet20_30_epochs.json
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default --warmup_epochs=1 \
