@@ -211,7 +211,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "momentum (all: DGC factor masking; waited: only blocks that had "
                       "waited; none; compressed: only the compressed variables' blocks; "
                       "whole: only the variables sent whole every step; whole_except_norm: "
-                      "those but the normalisation layers' scales and offsets).  Default: the "
+                      "those but the normalisation layers' scales and offsets; whole_vectors: "
+                      "only the vectors (biases, scales, offsets) sent whole).  Default: the "
                       "library's (none with --recurrent=whole, else whole).", **fv)
     flags.DEFINE_integer("dense_below", None, "Sparse methods: variables with fewer elements "
                          "are sent whole every step.  Default: the library's (1024); 0 "

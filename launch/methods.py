@@ -105,6 +105,10 @@ METHODS: dict[str, MethodSpec] = {
     # (the other variables sent whole masked): "whole" on a model without normalisation.
     "block_default_masknorm": Method(CompressionOptions(exchange="allgather"),
                                      momentum_masking="whole_except_norm"),
+    # The same with only the vectors sent whole masked (biases, normalisation scales and
+    # offsets): the kernels sent whole (first convolution, projection, logits) keep momentum.
+    "block_default_maskvec": Method(CompressionOptions(exchange="allgather"),
+                                    momentum_masking="whole_vectors"),
     # The same with the shared exchange (replicas sum their block scores and all send the
     # top blocks of the sum), the other sparse mode the automatic exchange may choose
     # (small embedding tables sent whole, as in block_auto_maskwhole whose curves these are).
@@ -177,7 +181,7 @@ CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
                        "block_recurrent_whole_embed",
                        "block_default_waited", "block_default_nomask", "block_default_maskcomp",
                        "block_default_maskwhole", "block_default_embed",
-                       "block_default_masknorm",
+                       "block_default_masknorm", "block_default_maskvec",
                        "block_shared_maskwhole",
                        "block_default_dgc_warmup", "block_allgather",
                        "block_source", "block_k1_dgc", "block_k1_waited", "topk_1pct",

@@ -58,6 +58,8 @@ COMMAND_LINES = {
                             "--momentum_masking=whole"),
     "block_default_masknorm": ("--compression=block", "--exchange=allgather",
                                "--momentum_masking=whole_except_norm"),
+    "block_default_maskvec": ("--compression=block", "--exchange=allgather",
+                              "--momentum_masking=whole_vectors"),
     "block_shared_maskwhole": ("--compression=block", "--exchange=shared",
                                "--momentum_masking=whole", "--embeddings=by_size"),
     "block_default_dgc_warmup": ("--compression=block", "--exchange=allgather",

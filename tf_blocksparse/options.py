@@ -43,7 +43,8 @@ GRANULARITIES = ("block", "element")
 #: What the optimizer wrapper does with a step whose gradients hold an inf or NaN.
 NONFINITE = ("skip", "apply")
 #: Which sent blocks momentum correction zeroes in the local momentum.
-MASKINGS = ("all", "waited", "none", "compressed", "whole", "whole_except_norm")
+MASKINGS = ("all", "waited", "none", "compressed", "whole", "whole_except_norm",
+            "whole_vectors")
 #: The masking of a saved optimizer config that names none: DGC's, the only one when such
 #: configs were written.
 SAVED_MASKING = "all"
