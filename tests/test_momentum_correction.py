@@ -74,7 +74,8 @@ def _reference_once(n, mode, k, density, granularity, masking, dense_below):
     ("allgather", {"k": 1, "dense_below": 100, "masking": "compressed"}),
     ("shared", {"k": 3, "masking": "compressed"}),
     ("allgather", {"k": 1, "dense_below": 100, "masking": "whole"}),
-    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole_except_norm"})])
+    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole_except_norm"}),
+    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole_vectors"})])
 def test_matches_numpy_reference(mirrored2, mode, kwargs):
     masking = kwargs.pop("masking", "all")
     dense_below = kwargs.pop("dense_below", 0)  # 0: every variable compressed
@@ -255,6 +256,26 @@ def test_whole_except_norm_keeps_normalisation_momentum(lays, data):
             np.testing.assert_array_equal(g.numpy(), w.numpy())
 
 
+@given(lays=st.lists(test_selection.layouts(max_rank=3), min_size=1, max_size=4),
+       data=st.data())
+@settings(max_examples=30, deadline=None)
+def test_whole_vectors_masks_only_vectors(lays, data):
+    """``"whole_vectors"`` is ``"whole"`` on the variables of at most one dimension and
+    leaves every other momentum bit-exact (NumPy reference: the zeroing of the blocks
+    ``"whole"`` masks, on the vectors)."""
+    us, sent = _draw_momenta_and_sent(lays, data)
+    got = tfbs.MomentumCorrection(0.9, masking="whole_vectors").mask(us, lays, sent, None)
+    whole = tfbs.MomentumCorrection(0.9, masking="whole").mask(us, lays, sent, None)
+    for g, w, u, lay, ids in zip(got, whole, us, lays, sent):
+        vector = np.ndim(u.numpy()) <= 1
+        every = ids is not None and int(ids.shape[0]) == lay.num_blocks
+        want = ref.np_zero_blocks(u.numpy(), lay, ids.numpy()) if vector and every \
+            else u.numpy()
+        np.testing.assert_array_equal(g.numpy(), want)
+        if vector:
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
 def _norm_model() -> keras.Model:
     keras.utils.set_random_seed(3)
     return keras.Sequential([
@@ -293,3 +314,20 @@ def test_whole_except_norm_in_model_fit(mirrored2):
         np.testing.assert_array_equal(g, n if is_norm else w)
         if lay.size < 40:  # sent whole: masked entirely, or kept whole
             assert np.any(g != 0) if is_norm else not np.any(g)
+
+
+def test_whole_vectors_in_model_fit(mirrored2):
+    """One real step on 2 replicas: the vectors sent whole (biases, BatchNorm's and
+    LayerNorm's scales and offsets) are masked as ``"whole"`` masks them, the kernel sent
+    whole (Dense(3)'s) keeps its momentum (``"none"``'s), the compressed kernels are as in
+    both."""
+    got, lays = _one_step_velocities(mirrored2, "whole_vectors")
+    whole, _ = _one_step_velocities(mirrored2, "whole")
+    none, _ = _one_step_velocities(mirrored2, "none")
+    whole_kernels = [lay.size < 40 and len(lay.shape) > 1 for lay in lays]
+    assert sum(whole_kernels) == 1  # Dense(3)'s kernel [5, 3]
+    assert sum(lay.size < 40 and len(lay.shape) <= 1 for lay in lays) >= 6
+    for g, w, n, lay, kernel in zip(got, whole, none, lays, whole_kernels):
+        np.testing.assert_array_equal(g, n if kernel else w)
+        if lay.size < 40:  # sent whole: kept whole, or masked entirely
+            assert np.any(g != 0) if kernel else not np.any(g)
