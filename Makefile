@@ -137,6 +137,7 @@ bench-full: venv data
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=block_default_nomask
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 \
 		--methods=block_default_maskcomp,block_default_maskwhole
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=block_default_maskvec
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 \
 		--methods=dense,block_default,block_default_nomask
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole
