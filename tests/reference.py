@@ -257,7 +257,7 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
     ``"none"`` none, ``"compressed"`` the sent blocks of variables that do not send every
     block each step, ``"whole"`` only those of variables that do, ``"whole_except_norm"``
     those of ``"whole"`` that are no normalisation layer's scale or offset,
-    ``"whole_vectors"`` those of ``"whole"`` whose variable has at most one dimension.
+    ``"whole_vectors"`` those of ``"whole"`` whose blocks are single elements.
     Variables sent whole (``dense_below``) count every block as sent.
 
     Returns:
@@ -279,11 +279,12 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                 for ids_r, rs_r in zip(sent, residuals_per_replica)]
     if masking in ("compressed", "whole", "whole_except_norm", "whole_vectors"):
         # masks only the variables not / only sent whole (but no normalisation layer's, or
-        # only vectors)
+        # only those of one-element blocks)
         every = masking != "compressed"
         sent = [[ids if (len(ids) >= _view_shape(lay)[1]) == every
                  and not (masking == "whole_except_norm" and np_is_normalization(lay))
-                 and not (masking == "whole_vectors" and len(lay.shape) > 1)
+                 and not (masking == "whole_vectors"
+                          and _view_shape(lay)[0] * _view_shape(lay)[2] > 1)
                  else np.asarray([], dtype=np.int64) for ids, lay in zip(ids_r, layouts)]
                 for ids_r in sent]
     velocities = [[np_zero_blocks(u, lay, ids) for u, lay, ids in zip(us_r, layouts, ids_r)]

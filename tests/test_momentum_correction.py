@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tf_blocksparse as tfbs
+from models import registry
 from tests import reference as ref
 from tests import test_selection
 from tests.test_optimizer_reference import (
@@ -260,14 +261,15 @@ def test_whole_except_norm_keeps_normalisation_momentum(lays, data):
        data=st.data())
 @settings(max_examples=30, deadline=None)
 def test_whole_vectors_masks_only_vectors(lays, data):
-    """``"whole_vectors"`` is ``"whole"`` on the variables of at most one dimension and
-    leaves every other momentum bit-exact (NumPy reference: the zeroing of the blocks
-    ``"whole"`` masks, on the vectors)."""
+    """``"whole_vectors"`` is ``"whole"`` on the variables whose blocks are single elements
+    (whatever their rank) and leaves every other momentum bit-exact (NumPy reference: the
+    zeroing of the blocks ``"whole"`` masks, on those variables)."""
     us, sent = _draw_momenta_and_sent(lays, data)
     got = tfbs.MomentumCorrection(0.9, masking="whole_vectors").mask(us, lays, sent, None)
     whole = tfbs.MomentumCorrection(0.9, masking="whole").mask(us, lays, sent, None)
     for g, w, u, lay, ids in zip(got, whole, us, lays, sent):
-        vector = np.ndim(u.numpy()) <= 1
+        outer, _, inner = ref._view_shape(lay)
+        vector = outer * inner == 1
         every = ids is not None and int(ids.shape[0]) == lay.num_blocks
         want = ref.np_zero_blocks(u.numpy(), lay, ids.numpy()) if vector and every \
             else u.numpy()
@@ -324,10 +326,22 @@ def test_whole_vectors_in_model_fit(mirrored2):
     got, lays = _one_step_velocities(mirrored2, "whole_vectors")
     whole, _ = _one_step_velocities(mirrored2, "whole")
     none, _ = _one_step_velocities(mirrored2, "none")
-    whole_kernels = [lay.size < 40 and len(lay.shape) > 1 for lay in lays]
+    whole_kernels = [lay.size < 40 and lay.block_size > 1 for lay in lays]
     assert sum(whole_kernels) == 1  # Dense(3)'s kernel [5, 3]
-    assert sum(lay.size < 40 and len(lay.shape) <= 1 for lay in lays) >= 6
+    assert sum(lay.size < 40 and lay.block_size == 1 for lay in lays) >= 6
     for g, w, n, lay, kernel in zip(got, whole, none, lays, whole_kernels):
         np.testing.assert_array_equal(g, n if kernel else w)
         if lay.size < 40:  # sent whole: kept whole, or masked entirely
             assert np.any(g != 0) if kernel else not np.any(g)
+
+
+@pytest.mark.parametrize("name", ["cnn_small", "cnn_bn", "resnet20"])
+def test_whole_vectors_are_the_rank_one_variables_of_the_benchmark_cnns(name):
+    """On these models the variables of one-element blocks are exactly those of rank 1 (the
+    test ``"whole_vectors"`` made when its committed runs were trained), and some kernels
+    are small enough to be sent whole, so it differs from ``"whole"`` there."""
+    model = registry.build_image_model(name)
+    lays = tfbs.blocks.layouts_for(model.trainable_variables, model)
+    assert [lay.block_size == 1 for lay in lays] == [len(lay.shape) == 1 for lay in lays]
+    assert any(lay.block_size > 1 and lay.size < tfbs.CompressionOptions().dense_below
+               for lay in lays)

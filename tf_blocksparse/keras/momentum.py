@@ -38,9 +38,10 @@ Maskings (which sent blocks are zeroed in the local momentum):
     them), while the other variables sent whole train with plain SGD.  On a model without
     normalisation layers it is ``"whole"``, bit for bit.
 ``"whole_vectors"``
-    ``"whole"`` on the vectors only (rank 0 or 1: biases, normalisation scales and offsets),
-    while the kernels sent whole (a small first convolution or projection, a classifier's
-    kernel) keep their momentum (momentum SGD on them).
+    ``"whole"`` on the vectors only: the variables whose blocks are single elements (by the
+    block-rule table: biases, normalisation scales and offsets, a recurrent layer's
+    ``[2, 3 * units]`` bias).  The kernels sent whole (a small first convolution or
+    projection, a classifier's kernel) keep their momentum (momentum SGD on them).
 
 Without ``recurrent="whole"`` the default masks only the variables sent whole: at k=1,
 trained to convergence (3 seeds each), it ended at most 0.14 points below dense on five
@@ -176,7 +177,7 @@ class MomentumCorrection:
             mask_kernels = self.masking != "whole_vectors"
             sent_ids = [ids if ids is not None and sends_every_block(ids, lay) == keep_whole
                         and (mask_norm or not lay.normalization)
-                        and (mask_kernels or len(lay.shape) <= 1)
+                        and (mask_kernels or lay.block_size == 1)
                         else None for ids, lay in zip(sent_ids, layouts)]
         return mask_sent(us, layouts, sent_ids,
                          residuals if self.masking == "waited" else None)
