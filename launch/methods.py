@@ -54,6 +54,10 @@ METHODS: dict[str, MethodSpec] = {
     # "whole_except_norm").
     "block_auto_masknorm": Method(CompressionOptions(), momentum_masking="whole_except_norm",
                                   stated=frozenset({"exchange"})),
+    # The one-line default with only the vectors sent whole masked (momentum_masking
+    # "whole_vectors": the kernels sent whole keep their momentum).
+    "block_auto_maskvec": Method(CompressionOptions(), momentum_masking="whole_vectors",
+                                 stated=frozenset({"exchange"})),
     # The default compression, always applied, with DGC's masking:
     # BlockSparseOptimizer(SGD(lr, momentum=0.9), exchange="allgather"): k=1, momentum before
     # the exchange (DGC correction), variables under 1,024 elements sent whole (the one-line

@@ -26,6 +26,7 @@ AUTO_CURVES = {"block_auto_default": {"dense": "dense", "allgather": "block_defa
                "block_auto_nomask": {"dense": "dense", "allgather": "block_default_nomask"},
                "block_auto_masknorm": {"dense": "dense",
                                        "allgather": "block_default_masknorm"},
+               "block_auto_maskvec": {"dense": "dense", "allgather": "block_default_maskvec"},
                "local_auto": {"dense": "local_average", "allgather": "local_block"}}
 
 

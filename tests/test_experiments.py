@@ -32,6 +32,8 @@ COMMAND_LINES = {
     "block_auto_nomask": ("--compression=block", "--exchange=auto", "--momentum_masking=none"),
     "block_auto_masknorm": ("--compression=block", "--exchange=auto",
                             "--momentum_masking=whole_except_norm"),
+    "block_auto_maskvec": ("--compression=block", "--exchange=auto",
+                           "--momentum_masking=whole_vectors"),
     "block_default": ("--compression=block", "--exchange=allgather", "--momentum_masking=all",
                       "--embeddings=by_size"),
     "block_dense_below_512": ("--compression=block", "--exchange=allgather",
