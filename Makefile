@@ -142,6 +142,7 @@ bench-full: venv data
 		--methods=dense,block_default,block_default_nomask
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_masknorm
+	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_maskvec
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 \
 		--methods=block_dense_below_512_maskwhole
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 \
@@ -205,6 +206,8 @@ bench-full: venv data
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=3,4 --methods=dense,block_default_maskwhole \
 		--out=runs/r20_30ep
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default_masknorm \
+		--out=runs/r20_30ep
+	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=1,2 --methods=block_default_maskvec \
 		--out=runs/r20_30ep
 	cp runs/r20_30ep/convergence.json $(BENCH)/convergence_resnet20_30_epochs.json
 	$(CONVERGE) --models=resnet20 --epochs=30 --seeds=0,1,2 --methods=block_default --warmup_epochs=1 \
