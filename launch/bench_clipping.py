@@ -45,7 +45,10 @@ on the same fixed random batch (``--batch`` per replica).  The inner optimizer i
       any replica to the last one of any replica.
 
     Per variant the per-step figures and their medians are reported, plus the op types of
-    the collectives seen and their number per replica.
+    the collectives seen and their number per replica.  A step whose trace misses an event
+    of some collective instance (the host tracer can drop one) is traced again, up to three
+    profiler sessions; ``trace_attempts`` holds the sessions per step, and
+    ``unmatched_instances`` / ``unkeyed_collectives`` are 0 for a complete trace.
 
     Scheduling caveat (seen in these traces): with TF's default inter-op pool (one thread
     per core; 2 here) the executor runs the input-gradient chain depth-first and

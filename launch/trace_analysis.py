@@ -136,7 +136,11 @@ def analyse_step(events: Sequence[OpEvent], placement: dict[str, int], replicas:
     waiting for the peer included), the *joint* exchange counts a collective instance only
     from its launch on the last replica to its last completion (when every replica is in
     it), against the joint backward window (first backward op of any replica to the last
-    one of any replica): overlap that is not just one replica waiting for the other.
+    one of any replica): overlap that is not just one replica waiting for the other.  An
+    instance is matched when every replica has exactly one event of it; the record counts
+    the others (``unmatched_instances``) and the collectives without an instance key
+    (``unkeyed_collectives``), so that :func:`complete` can reject a trace the profiler
+    recorded only in part.
 
     Raises:
         RuntimeError: A replica has no backward op or no collective in the trace.
@@ -180,14 +184,29 @@ def analyse_step(events: Sequence[OpEvent], placement: dict[str, int], replicas:
         })
     total = sum(p["exchange_ms"] for p in per_replica)
     overlap = sum(p["exchange_in_backward_ms"] for p in per_replica)
-    joint = union([(max(e.start_ps for e in es), max(e.end_ps for e in es))
-                   for es in instances.values() if len(es) == replicas])
+    by_key = {key: Counter(replica_of(e, placement) for e in es)
+              for key, es in instances.items()}
+    matched = {key for key, seen in by_key.items()
+               if set(seen) == set(range(replicas)) and max(seen.values()) == 1}
+    joint = union([(max(e.start_ps for e in instances[key]), max(e.end_ps for e in instances[key]))
+                   for key in matched])
     lo, hi = min(w[0] for w in windows), max(w[1] for w in windows)
     joint_total = length(joint)
     return {"exchange_overlap_fraction": overlap / total if total > 0 else 0.0,
             "joint_exchange_overlap_fraction":
                 inside(joint, lo, hi) / joint_total if joint_total > 0 else 0.0,
             "joint_exchange_ms": joint_total / _PS_PER_MS,
-            "joint_instances": sum(len(es) == replicas for es in instances.values()),
+            "joint_instances": len(matched),
+            "unmatched_instances": len(instances) - len(matched),
+            "unkeyed_collectives": sum(
+                p["collectives"] for p in per_replica) - sum(map(len, instances.values())),
             "per_replica": per_replica, "collective_types": dict(types),
             "unassigned_backward_or_exchange_ops": unassigned}
+
+
+def complete(step: dict) -> bool:
+    """Whether an :func:`analyse_step` result saw every collective of every replica: each
+    instance matched across the replicas, none without a key, the same count per replica."""
+    counts = {p["collectives"] for p in step["per_replica"]}
+    return (step["unmatched_instances"] == 0 and step["unkeyed_collectives"] == 0
+            and len(counts) == 1)

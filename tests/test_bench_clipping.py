@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from launch import clipping_variants
+from launch.benches.clipping import TRACE_ATTEMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,12 @@ def test_overlap_schema(record: dict, logdir: Path) -> None:
         assert 0.0 <= row["joint_exchange_overlap_fraction"] <= 1.0
         assert all(0.0 <= f <= 1.0 for f in row["joint_exchange_overlap_fraction_per_step"])
         assert row["joint_exchange_ms"] > 0
+        # every collective of the traced steps seen on both replicas (steps whose trace
+        # missed an event are traced again, at most TRACE_ATTEMPTS times)
+        assert row["unmatched_instances"] == 0 and row["unkeyed_collectives"] == 0
         assert row["joint_instances"] == row["collectives_per_replica"]
+        assert len(row["trace_attempts"]) == TRACE_STEPS
+        assert all(1 <= a <= TRACE_ATTEMPTS for a in row["trace_attempts"])
         assert len(row["exchange_overlap_fraction_per_step"]) == TRACE_STEPS
         assert all(0.0 <= f <= 1.0 for f in row["exchange_overlap_fraction_per_step"])
         assert row["backward_ms"] > 0 and row["exchange_ms"] > 0

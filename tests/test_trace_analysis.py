@@ -39,10 +39,32 @@ def test_analyse_step_pools_replicas_and_clips_to_the_backward_window() -> None:
     assert out["exchange_overlap_fraction"] == pytest.approx(5 / 17)
     # instance 7: both replicas in it from 19 to 26; joint backward window [0, 20]
     assert out["joint_instances"] == 1
+    assert (out["unmatched_instances"], out["unkeyed_collectives"]) == (0, 1)
+    assert not trace_analysis.complete(out)  # the nested collective has no key
     assert out["joint_exchange_ms"] * 1e9 == pytest.approx(7)
     assert out["joint_exchange_overlap_fraction"] == pytest.approx(1 / 7)
     assert out["collective_types"] == {"CollectiveGatherV2": 3}
     assert out["unassigned_backward_or_exchange_ops"] == 1
+
+
+def test_a_collective_missing_on_one_replica_is_unmatched_and_the_trace_incomplete() -> None:
+    placement = {"g0": 0, "g1": 1, "a0": 0, "a1": 1, "b0": 0, "b1": 1, "c1": 1}
+    events = [_event("g0", "ReluGrad", 0, 10), _event("g1", "ReluGrad", 0, 10),
+              _event("a0", "CollectiveReduceV2", 5, 15, key=1),
+              _event("a1", "CollectiveReduceV2", 6, 16, key=1),
+              _event("b0", "CollectiveGatherV2", 20, 30, key=2),
+              _event("b1", "CollectiveGatherV2", 21, 31, key=2)]
+    whole = trace_analysis.analyse_step(events, placement, replicas=2)
+    assert (whole["joint_instances"], whole["unmatched_instances"]) == (2, 0)
+    assert whole["unkeyed_collectives"] == 0 and trace_analysis.complete(whole)
+    dropped = trace_analysis.analyse_step(events[:-1], placement, replicas=2)  # b1 lost
+    assert (dropped["joint_instances"], dropped["unmatched_instances"]) == (1, 1)
+    assert dropped["joint_exchange_ms"] * 1e9 == pytest.approx(10)  # instance 1 only
+    assert not trace_analysis.complete(dropped)
+    twice = trace_analysis.analyse_step(
+        [*events, _event("c1", "CollectiveGatherV2", 40, 50, key=2)], placement, replicas=2)
+    assert (twice["joint_instances"], twice["unmatched_instances"]) == (1, 1)
+    assert not trace_analysis.complete(twice)
 
 
 def test_interval_helpers() -> None:
