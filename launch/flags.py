@@ -41,7 +41,7 @@ def _valid_densities(values: list[str]) -> bool:
 
 
 _SPARSE_ONLY = ("k", "density", "density_warmup", "dense_below", "momentum_masking",
-                "quantize", "exchange", "metric", "recurrent", "embeddings")
+                "whole_momentum", "quantize", "exchange", "metric", "recurrent", "embeddings")
 
 
 #: Flags with a default that ``--compression=dense`` takes only at that default.
@@ -214,6 +214,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "those but the normalisation layers' scales and offsets; whole_vectors: "
                       "only the vectors (biases, scales, offsets) sent whole).  Default: the "
                       "library's (none with --recurrent=whole, else whole).", **fv)
+    flags.DEFINE_float("whole_momentum", None, "Sparse methods under a whole masking "
+                       "(--momentum_masking=whole, whole_except_norm, whole_vectors or the "
+                       "default whole): the momentum factor the variables sent whole keep, "
+                       "in [0, --momentum] (their velocity is scaled, not zeroed).  Default: 0 "
+                       "(plain SGD on them).", **fv)
     flags.DEFINE_integer("dense_below", None, "Sparse methods: variables with fewer elements "
                          "are sent whole every step.  Default: the library's (1024); 0 "
                          "compresses every variable.", lower_bound=0, **fv)
@@ -266,14 +271,22 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "--warmup_epochs needs --lr_schedule=cosine and must be below --epochs", **fv)
     flags.register_validator("momentum", lambda m: 0.0 <= m <= 1.0,
                              "--momentum must be in [0, 1]", **fv)
+    flags.register_multi_flags_validator(
+        ["whole_momentum", "momentum", "momentum_masking", "global_momentum"],
+        lambda f: f["whole_momentum"] is None or (
+            0.0 <= f["whole_momentum"] <= f["momentum"] and not f["global_momentum"]
+            and f["momentum_masking"] in (None, "whole", "whole_except_norm", "whole_vectors")),
+        "--whole_momentum must be in [0, --momentum], with the local momentum (no "
+        "--global_momentum) under a whole masking (--momentum_masking unset, whole, "
+        "whole_except_norm or whole_vectors)", **fv)
     flags.register_validator(
         "synthetic_shape", _valid_shape,
         "--synthetic_shape must be a comma-separated list of positive integers", **fv)
     flags.register_multi_flags_validator(
         ["compression", *_SPARSE_ONLY], _dense_takes_no_sparse_options,
         "--compression=dense sends every gradient whole: --k, --density, --density_warmup, "
-        "--quantize, --dense_below, --momentum_masking, --exchange, --metric, --recurrent "
-        "and --embeddings apply only to --compression=block or topk", **fv)
+        "--quantize, --dense_below, --momentum_masking, --whole_momentum, --exchange, "
+        "--metric, --recurrent and --embeddings apply only to --compression=block or topk", **fv)
     flags.register_multi_flags_validator(
         ["save_freq", "model_dir"], lambda f: not f["save_freq"] or f["model_dir"],
         "--save_freq needs --model_dir (the backups go to MODEL_DIR/backup)", **fv)

@@ -28,7 +28,7 @@ from tf_blocksparse.planning.exchange_cost import AutoExchange
 #: The ``launch.train`` flags of a method, in the order :meth:`Method.to_flags` writes them.
 METHOD_FLAGS = ("compression", "k", "density", "metric", "exchange", "fusion_buffer_bytes",
                 "quantize", "sync_every", "outer_lr", "outer_momentum", "global_momentum",
-                "dense_below", "momentum_masking", "density_warmup", "recurrent",
+                "dense_below", "momentum_masking", "whole_momentum", "density_warmup", "recurrent",
                 "embeddings")
 #: The fraction ``--compression=topk`` keeps when neither ``--k`` nor ``--density`` is given.
 TOPK_DENSITY = 0.01
@@ -81,7 +81,9 @@ class Method:
       global_momentum: Sparse methods: the inner SGD's momentum after the exchange (the
         literal form) instead of per worker before it (DGC correction, the default).
       momentum_masking: Sparse methods: which sent blocks leave the local momentum
-        (``None``: the library's, ``"all"``).
+        (``None``: the library's).
+      whole_momentum: Sparse methods under a ``"whole"`` masking: the momentum factor the
+        variables sent whole keep (``None``: 0, plain SGD on them).
       density_warmup: Sparse methods: the densities of the first epochs.
       stated: Flags the command line writes although they say what the default would
         (``--k=1``, ``--exchange=auto``): the results record a run's command line, so a
@@ -99,6 +101,7 @@ class Method:
     outer_momentum: float | None = None
     global_momentum: bool = False
     momentum_masking: str | None = None
+    whole_momentum: float | None = None
     density_warmup: tuple[float, ...] = ()
     stated: frozenset[str] = frozenset()
 
@@ -151,6 +154,7 @@ class Method:
             "outer_momentum": self.outer_momentum, "global_momentum": self.global_momentum,
             "dense_below": None if implied_dense_below or not o.sparse else o.dense_below,
             "momentum_masking": self.momentum_masking,
+            "whole_momentum": self.whole_momentum,
             "density_warmup": [str(d) for d in self.density_warmup],
             "recurrent": o.recurrent, "embeddings": o.embeddings,
         }
@@ -180,7 +184,7 @@ class Method:
         return cls(options, fusion_buffer_bytes=f.fusion_buffer_bytes,
                    sync_every=f.sync_every, outer_lr=f.outer_lr,
                    outer_momentum=f.outer_momentum, global_momentum=f.global_momentum,
-                   momentum_masking=f.momentum_masking,
+                   momentum_masking=f.momentum_masking, whole_momentum=f.whole_momentum,
                    density_warmup=f.density_warmup,
                    stated=frozenset(n for n in METHOD_FLAGS[1:] if f[n].present))
 

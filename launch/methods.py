@@ -113,6 +113,10 @@ METHODS: dict[str, MethodSpec] = {
     # offsets): the kernels sent whole (first convolution, projection, logits) keep momentum.
     "block_default_maskvec": Method(CompressionOptions(exchange="allgather"),
                                     momentum_masking="whole_vectors"),
+    # The same with the variables sent whole keeping a momentum of 0.7 (a step of 3.3x plain
+    # SGD's, between "whole"'s plain SGD and "none"'s momentum SGD of 0.9 on them).
+    "block_default_wholem07": Method(CompressionOptions(exchange="allgather"),
+                                     momentum_masking="whole", whole_momentum=0.7),
     # The same with the shared exchange (replicas sum their block scores and all send the
     # top blocks of the sum), the other sparse mode the automatic exchange may choose
     # (small embedding tables sent whole, as in block_auto_maskwhole whose curves these are).
@@ -186,6 +190,7 @@ CONVERGENCE_METHODS = ("dense", "block_default", "block_dense_below_512",
                        "block_default_waited", "block_default_nomask", "block_default_maskcomp",
                        "block_default_maskwhole", "block_default_embed",
                        "block_default_masknorm", "block_default_maskvec",
+                       "block_default_wholem07",
                        "block_shared_maskwhole",
                        "block_default_dgc_warmup", "block_allgather",
                        "block_source", "block_k1_dgc", "block_k1_waited", "topk_1pct",

@@ -62,7 +62,12 @@ def wrapper_arguments(method: Method) -> dict[str, Any]:
         return extra
     if method.global_momentum and not method.sync_every:
         extra["momentum_correction"] = None
-    if method.momentum_masking is not None:
+    if method.whole_momentum is not None:
+        import tf_blocksparse as tfbs
+
+        extra["momentum_correction"] = tfbs.MomentumCorrection(
+            masking=method.momentum_masking or "auto", whole_momentum=method.whole_momentum)
+    elif method.momentum_masking is not None:
         extra["momentum_masking"] = method.momentum_masking
     return extra
 

@@ -246,7 +246,8 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                                layouts: Sequence[Any], momentum: float, k: int | None = None,
                                density: float | None = None, metric: str = "l1",
                                masking: str = "all", dense_below: int = 0,
-                               embeddings: str = "compress"
+                               embeddings: str = "compress",
+                               whole_momentum: float | None = None
                                ) -> tuple[list[np.ndarray], list[list[np.ndarray]],
                                           list[list[np.ndarray]], bool]:
     """DGC momentum correction + factor masking around :func:`np_step`.
@@ -258,7 +259,9 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
     block each step, ``"whole"`` only those of variables that do, ``"whole_except_norm"``
     those of ``"whole"`` that are no normalisation layer's scale or offset,
     ``"whole_vectors"`` those of ``"whole"`` whose blocks are single elements.
-    Variables sent whole (``dense_below``) count every block as sent.
+    Variables sent whole (``dense_below``) count every block as sent.  With a
+    ``whole_momentum`` under a ``"whole"`` masking the masked variables' ``u`` is scaled by
+    ``whole_momentum / momentum`` instead of zeroed.
 
     Returns:
       ``(updates, new_residuals, new_velocities, finite)``.
@@ -287,6 +290,11 @@ def np_momentum_corrected_step(mode: str, grads_per_replica: Sequence[Sequence[n
                           and _view_shape(lay)[0] * _view_shape(lay)[2] > 1)
                  else np.asarray([], dtype=np.int64) for ids, lay in zip(ids_r, layouts)]
                 for ids_r in sent]
+        if every and whole_momentum:
+            keep = dt(whole_momentum / momentum)
+            return updates, residuals, [
+                [u * keep if len(ids) else u for u, ids in zip(us_r, ids_r)]
+                for us_r, ids_r in zip(us, sent)], finite
     velocities = [[np_zero_blocks(u, lay, ids) for u, lay, ids in zip(us_r, layouts, ids_r)]
                   for us_r, ids_r in zip(us, sent)]
     return updates, residuals, velocities, finite

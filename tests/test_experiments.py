@@ -62,6 +62,8 @@ COMMAND_LINES = {
                                "--momentum_masking=whole_except_norm"),
     "block_default_maskvec": ("--compression=block", "--exchange=allgather",
                               "--momentum_masking=whole_vectors"),
+    "block_default_wholem07": ("--compression=block", "--exchange=allgather",
+                               "--momentum_masking=whole", "--whole_momentum=0.7"),
     "block_shared_maskwhole": ("--compression=block", "--exchange=shared",
                                "--momentum_masking=whole", "--embeddings=by_size"),
     "block_default_dgc_warmup": ("--compression=block", "--exchange=allgather",

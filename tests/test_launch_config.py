@@ -32,6 +32,8 @@ COMMAND_LINES = [
     ["--compression=topk", "--k=3", "--exchange=allgather", "--quantize=bfloat16"],
     ["--model=gru_nmt", "--compression=block", "--exchange=allgather", "--recurrent=whole"],
     ["--compression=block", "--density=0.05", "--sync_every=16"],  # the automatic exchange
+    ["--compression=block", "--exchange=allgather", "--momentum_masking=whole_vectors",
+     "--whole_momentum=0.5"],
 ]
 
 
@@ -92,7 +94,15 @@ def test_stated_keeps_only_flags_at_their_default():
     (lambda: Method(DENSE, momentum_masking="waited"), "--momentum_masking"),
     (lambda: Method(CompressionOptions(exchange="allgather"), outer_momentum=0.5),
      "--outer_momentum"),
-], ids=["dense_k", "block_rules", "dense_steps", "dense_masking", "outer_momentum"])
+    (lambda: Method(DENSE, whole_momentum=0.5), "--whole_momentum"),
+    (lambda: Method(CompressionOptions(), momentum_masking="none", whole_momentum=0.5),
+     "--whole_momentum"),
+    (lambda: Method(CompressionOptions(), whole_momentum=0.95), "--whole_momentum"),
+    (lambda: Method(CompressionOptions(), global_momentum=True, whole_momentum=0.5),
+     "--whole_momentum"),
+], ids=["dense_k", "block_rules", "dense_steps", "dense_masking", "outer_momentum",
+        "dense_whole_momentum", "none_whole_momentum", "whole_momentum_above",
+        "global_whole_momentum"])
 def test_a_method_launch_train_would_refuse_is_an_error(make, match):
     with pytest.raises(ValueError, match=match):
         make()

@@ -40,14 +40,15 @@ def _dense_values(strategy, inner_momentum=0.0):
 
 
 def _reference(n, mode, k=None, density=None, granularity="block", masking="all",
-               dense_below=0):
+               dense_below=0, whole_momentum=None):
     """Weights and ``[replica][variable]`` residuals and velocities after STEPS steps of the
     NumPy reference (computed once per module and argument set; the arrays are read-only)."""
-    return _reference_once(n, mode, k, density, granularity, masking, dense_below)
+    return _reference_once(n, mode, k, density, granularity, masking, dense_below,
+                           whole_momentum)
 
 
 @functools.cache
-def _reference_once(n, mode, k, density, granularity, masking, dense_below):
+def _reference_once(n, mode, k, density, granularity, masking, dense_below, whole_momentum):
     layouts, start = _start()
     if granularity == "element":
         layouts = [dataclasses.replace(lay, rule=tfbs.blocks.ELEMENT) for lay in layouts]
@@ -58,7 +59,7 @@ def _reference_once(n, mode, k, density, granularity, masking, dense_below):
         grads = [_replica_grads(weights, *_data(s, r), n) for r in range(n)]
         updates, residuals, velocities, finite = ref.np_momentum_corrected_step(
             mode, grads, residuals, velocities, layouts, MOMENTUM, k, density,
-            masking=masking, dense_below=dense_below)
+            masking=masking, dense_below=dense_below, whole_momentum=whole_momentum)
         assert finite
         weights = [w - u * np.float32(LR) for w, u in zip(weights, updates)]
     return (_read_only(weights), [_read_only(rs) for rs in residuals],
@@ -76,14 +77,27 @@ def _reference_once(n, mode, k, density, granularity, masking, dense_below):
     ("shared", {"k": 3, "masking": "compressed"}),
     ("allgather", {"k": 1, "dense_below": 100, "masking": "whole"}),
     ("allgather", {"k": 1, "dense_below": 100, "masking": "whole_except_norm"}),
-    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole_vectors"})])
+    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole_vectors"}),
+    ("allgather", {"k": 1, "dense_below": 100, "masking": "whole", "whole_momentum": 0.5}),
+    ("shared", {"k": 1, "dense_below": 100, "masking": "whole_except_norm",
+                "whole_momentum": 0.9})])
 def test_matches_numpy_reference(mirrored2, mode, kwargs):
+    kwargs = dict(kwargs)
     masking = kwargs.pop("masking", "all")
     dense_below = kwargs.pop("dense_below", 0)  # 0: every variable compressed
-    model, opt = _train(mirrored2, exchange=mode, momentum_correction=MOMENTUM,
-                        momentum_masking=masking, dense_below=dense_below, **kwargs)
+    whole_momentum = kwargs.pop("whole_momentum", None)
+    if whole_momentum is None:
+        policy = {"momentum_correction": MOMENTUM, "momentum_masking": masking}
+    else:
+        policy = {"momentum_correction": tfbs.MomentumCorrection(
+            MOMENTUM, masking=masking, whole_momentum=whole_momentum)}
+    model, opt = _train(mirrored2, exchange=mode, dense_below=dense_below, **policy, **kwargs)
     want_w, want_r, want_u = _reference(2, mode, masking=masking, dense_below=dense_below,
-                                        **kwargs)
+                                        whole_momentum=whole_momentum, **kwargs)
+    if whole_momentum is not None:  # the case really differs from the masking without it
+        plain_u = _reference(2, mode, masking=masking, dense_below=dense_below, **kwargs)[2]
+        assert any(not np.array_equal(a, b) for ra, rb in zip(want_u, plain_u)
+                   for a, b in zip(ra, rb))
     if masking != "all":  # the case really keeps momentum DGC's masking drops
         dgc_u = _reference(2, mode, masking="all", dense_below=dense_below, **kwargs)[2]
         assert any(not np.array_equal(a, b) for ra, rb in zip(want_u, dgc_u)
@@ -345,3 +359,49 @@ def test_whole_vectors_are_the_rank_one_variables_of_the_benchmark_cnns(name):
     assert [lay.block_size == 1 for lay in lays] == [len(lay.shape) == 1 for lay in lays]
     assert any(lay.block_size > 1 and lay.size < tfbs.CompressionOptions().dense_below
                for lay in lays)
+
+
+@given(lays=st.lists(test_selection.layouts(max_rank=3), min_size=1, max_size=4),
+       w=st.sampled_from([0.0, 0.3, 0.7, 0.9]), data=st.data())
+@settings(max_examples=30, deadline=None)
+def test_whole_momentum_scales_what_whole_zeroes(lays, w, data):
+    """With ``whole_momentum`` the variables ``"whole"`` masks (every block sent) keep
+    ``u * whole_momentum / momentum`` (NumPy reference), and every other momentum is
+    bit-exact; 0 is ``"whole"`` itself."""
+    us, sent = _draw_momenta_and_sent(lays, data)
+    got = tfbs.MomentumCorrection(0.9, masking="whole", whole_momentum=w).mask(
+        us, lays, sent, None)
+    whole = tfbs.MomentumCorrection(0.9, masking="whole").mask(us, lays, sent, None)
+    for g, z, u, lay, ids in zip(got, whole, us, lays, sent):
+        every = ids is not None and int(ids.shape[0]) == lay.num_blocks
+        u = u.numpy()
+        want = u * np.asarray(w / 0.9, u.dtype) if every and w else z.numpy()
+        np.testing.assert_array_equal(g.numpy(), want)
+        if not every:
+            np.testing.assert_array_equal(g.numpy(), u)
+
+
+def test_whole_momentum_arguments_are_named_and_saved():
+    for bad in (-0.1, 1.0, float("nan"), "0.5", True):
+        with pytest.raises(ValueError, match="whole_momentum"):
+            tfbs.MomentumCorrection(0.9, masking="whole", whole_momentum=bad)
+    for masking in ("all", "none", "waited", "compressed"):
+        with pytest.raises(ValueError, match="whole_momentum.*masking"):
+            tfbs.MomentumCorrection(0.9, masking=masking, whole_momentum=0.5)
+    with pytest.raises(ValueError, match="whole_momentum.*exceed"):
+        tfbs.MomentumCorrection(0.5, masking="whole", whole_momentum=0.7)
+    with pytest.raises(ValueError, match="whole_momentum.*exceed"):  # the inner SGD's, moved
+        tfbs.BlockSparseOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.5), exchange="allgather",
+            momentum_correction=tfbs.MomentumCorrection(whole_momentum=0.7))
+    opt = tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), exchange="allgather",
+        momentum_correction=tfbs.MomentumCorrection(whole_momentum=0.7))
+    assert opt.momentum_policy == tfbs.MomentumCorrection(0.9, "whole", 0.7)
+    clone = tfbs.BlockSparseOptimizer.from_config(opt.get_config())
+    assert clone.momentum_policy == opt.momentum_policy
+    # "auto" resolved to "none" (recurrent layers sent whole) masks nothing: no factor kept
+    rec = tfbs.BlockSparseOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), exchange="allgather", recurrent="whole",
+        momentum_correction=tfbs.MomentumCorrection(whole_momentum=0.7))
+    assert rec.momentum_policy == tfbs.MomentumCorrection(0.9, "none")

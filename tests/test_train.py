@@ -151,6 +151,10 @@ def test_optimizer_flags_follow_the_library_defaults():
     literal = optimizer("--global_momentum", "--dense_below=0")
     assert literal.momentum_correction is None and literal.inner_optimizer.momentum == 0.9
     assert literal.dense_below == 0
+    partial = optimizer("--whole_momentum=0.7", "--momentum_masking=whole_except_norm")
+    assert partial.momentum_policy == tfbs.MomentumCorrection(0.9, "whole_except_norm", 0.7)
+    assert optimizer("--whole_momentum=0.5").momentum_policy == tfbs.MomentumCorrection(
+        0.9, "whole", 0.5)
 
 
 # One uninterrupted 3-epoch run serves two tests: what a run writes, and the reference of
