@@ -138,11 +138,13 @@ bench-full: venv data
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 \
 		--methods=block_default_maskcomp,block_default_maskwhole
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=block_default_maskvec
+	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 --methods=block_default_wholem07
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 \
 		--methods=dense,block_default,block_default_nomask
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_maskwhole
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_masknorm
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_maskvec
+	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 --methods=block_default_wholem07
 	$(CONVERGE) --models=cnn_bn --epochs=20 --seeds=0,1,2 \
 		--methods=block_dense_below_512_maskwhole
 	$(CONVERGE) --models=cnn_small --epochs=20 --seeds=0,1,2 \
