@@ -27,6 +27,7 @@ from tf_blocksparse.options import (
     METRICS,
     RECURRENT,
     SPARSE_EXCHANGES,
+    WHOLE_MASKINGS,
 )
 
 #: The registry models ``--model`` accepts (those that train on the launch data sets).
@@ -275,7 +276,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         ["whole_momentum", "momentum", "momentum_masking", "global_momentum"],
         lambda f: f["whole_momentum"] is None or (
             0.0 <= f["whole_momentum"] <= f["momentum"] and not f["global_momentum"]
-            and f["momentum_masking"] in (None, "whole", "whole_except_norm", "whole_vectors")),
+            and f["momentum_masking"] in (None, *WHOLE_MASKINGS)),
         "--whole_momentum must be in [0, --momentum], with the local momentum (no "
         "--global_momentum) under a whole masking (--momentum_masking unset, whole, "
         "whole_except_norm or whole_vectors)", **fv)

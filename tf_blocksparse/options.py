@@ -45,6 +45,8 @@ NONFINITE = ("skip", "apply")
 #: Which sent blocks momentum correction zeroes in the local momentum.
 MASKINGS = ("all", "waited", "none", "compressed", "whole", "whole_except_norm",
             "whole_vectors")
+#: The maskings that mask the variables sent whole (where ``whole_momentum`` applies).
+WHOLE_MASKINGS = ("whole", "whole_except_norm", "whole_vectors")
 #: The masking of a saved optimizer config that names none: DGC's, the only one when such
 #: configs were written.
 SAVED_MASKING = "all"

@@ -78,15 +78,13 @@ from tf_blocksparse import selection
 from tf_blocksparse.blocks import BlockLayout
 from tf_blocksparse.checks import check_choice
 from tf_blocksparse.keras import inner_optimizer as inner_lib
-from tf_blocksparse.options import AUTO, MASKINGS, SAVED_MASKING
+from tf_blocksparse.options import AUTO, MASKINGS, SAVED_MASKING, WHOLE_MASKINGS
 
 __all__ = ["MomentumCorrection", "mask_sent", "sends_every_block"]
 
 #: What ``masking`` / ``momentum_masking`` accept: a masking, or ``"auto"`` (see
 #: :meth:`MomentumCorrection.resolve`).
 _MASKING_CHOICES = (AUTO, *MASKINGS)
-#: The maskings that mask the variables sent whole (``whole_momentum`` applies to them).
-_WHOLE_MASKINGS = ("whole", "whole_except_norm", "whole_vectors")
 
 
 def _check_momentum(value: Any, argument: str) -> float | str:
@@ -129,9 +127,9 @@ class MomentumCorrection:
                     or not 0.0 <= float(w) < 1.0:
                 raise ValueError(f"`whole_momentum` must be None or a float in [0, 1), "
                                  f"got {w!r}")
-            if self.masking not in (AUTO, *_WHOLE_MASKINGS):
+            if self.masking not in (AUTO, *WHOLE_MASKINGS):
                 raise ValueError(f"`whole_momentum` applies to the variables a 'whole' "
-                                 f"masking masks ({', '.join(_WHOLE_MASKINGS)} or 'auto'), "
+                                 f"masking masks ({', '.join(WHOLE_MASKINGS)} or 'auto'), "
                                  f"got masking={self.masking!r}")
             if self.momentum != AUTO and float(w) > self.momentum:
                 raise ValueError(f"`whole_momentum` ({w}) must not exceed the momentum "
@@ -173,7 +171,7 @@ class MomentumCorrection:
         masking = self.masking
         if masking == AUTO:
             masking = "none" if recurrent_whole else "whole"
-        whole = self.whole_momentum if masking in _WHOLE_MASKINGS else None
+        whole = self.whole_momentum if masking in WHOLE_MASKINGS else None
         if self.momentum != AUTO:
             if self.momentum and inner_m:
                 raise ValueError(f"`momentum_correction` keeps the momentum per replica "
@@ -198,7 +196,7 @@ class MomentumCorrection:
         """The new local momenta after the exchange (``residuals``: from before it)."""
         if self.masking == "none":
             return list(us)
-        if self.masking in ("compressed", *_WHOLE_MASKINGS) and sent_ids is not None:
+        if self.masking in ("compressed", *WHOLE_MASKINGS) and sent_ids is not None:
             keep_whole = self.masking != "compressed"
             mask_norm = self.masking != "whole_except_norm"
             mask_kernels = self.masking != "whole_vectors"
